@@ -1,0 +1,303 @@
+//! The public allocator: a lock around the engine, plus the RAII buffer type.
+#![forbid(unsafe_code)]
+
+use crate::config::Config;
+use crate::driver::{Driver, Stream};
+use crate::engine::{Engine, Snapshot};
+use crate::error::{AllocError, Result};
+use crate::stats::{DetailedStats, Stats};
+use parking_lot::Mutex;
+use std::fmt;
+
+/// A device address handed out by the allocator.
+///
+/// ```
+/// use stitch_alloc::DevicePtr;
+/// let p = DevicePtr(0x2000);
+/// assert_eq!(p.addr(), 0x2000);
+/// assert_eq!(format!("{p}"), "0x2000");
+/// ```
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct DevicePtr(pub u64);
+
+impl DevicePtr {
+    /// The address as an integer.
+    pub fn addr(self) -> u64 {
+        self.0
+    }
+}
+
+impl fmt::Display for DevicePtr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:#x}", self.0)
+    }
+}
+
+/// What `shutdown` found and did.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct ShutdownReport {
+    /// Allocations still live at shutdown (their memory was given back anyway).
+    pub leaked_allocations: u64,
+    /// Requested bytes of those allocations.
+    pub leaked_bytes: u64,
+}
+
+/// A GPU memory allocator over a [`Driver`] that never fails for external fragmentation.
+///
+/// Thread-safe (`Send + Sync` when the driver is). The hot path (a request that fits an
+/// already mapped free block) takes one uncontended lock and makes no driver call.
+///
+/// ```
+/// use stitch_alloc::{Allocator, Config, Stream};
+/// use stitch_alloc::driver::SimDriver;
+///
+/// let a = Allocator::new(SimDriver::with_capacity(1 << 30), Config::default()).unwrap();
+/// let p = a.alloc(300 << 20, Stream::DEFAULT).unwrap();
+/// let q = a.alloc(512, Stream::DEFAULT).unwrap();
+/// assert_ne!(p, q);
+/// a.free(p, Stream::DEFAULT).unwrap();
+/// a.free(q, Stream::DEFAULT).unwrap();
+/// assert!(a.free(q, Stream::DEFAULT).is_err(), "double free is an error value");
+/// assert_eq!(a.stats().requested.current, 0);
+/// ```
+pub struct Allocator<D: Driver> {
+    engine: Mutex<Engine>,
+    driver: D,
+}
+
+impl<D: Driver> fmt::Debug for Allocator<D> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Allocator")
+            .field("driver", &self.driver.name())
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+impl<D: Driver> Allocator<D> {
+    /// Create an allocator on `driver`. Reserves virtual address space up front; creates no
+    /// physical memory until the first allocation.
+    pub fn new(driver: D, config: Config) -> Result<Self> {
+        let info = driver.mem_info()?;
+        let resolved = config.resolve(driver.granularity(), info.total)?;
+        let mut engine = Engine::new(&driver, resolved)?;
+        engine.stats.calls.add(crate::driver::DriverOp::MemInfo);
+        tracing::info!(
+            driver = driver.name(),
+            capacity = engine.cfg.capacity,
+            granularity = engine.cfg.granularity,
+            "stitch-alloc ready"
+        );
+        Ok(Allocator {
+            engine: Mutex::new(engine),
+            driver,
+        })
+    }
+
+    fn check(&self, e: &Engine) {
+        if e.cfg.paranoid {
+            if let Err(msg) = e.validate() {
+                panic!("stitch-alloc invariant violated: {msg}");
+            }
+        }
+    }
+
+    /// Allocate `size` bytes for use on `stream`. The memory is mapped, accessible, and stays
+    /// at its address until freed.
+    pub fn alloc(&self, size: u64, stream: Stream) -> Result<DevicePtr> {
+        let mut e = self.engine.lock();
+        let r = e.alloc(&self.driver, size, stream).map(DevicePtr);
+        self.check(&e);
+        r
+    }
+
+    /// Free memory from [`Allocator::alloc`] whose last use was queued on `stream`.
+    ///
+    /// It is reusable at once by `stream`; by other streams and by stitching only after the
+    /// work queued on `stream` before this call has completed.
+    pub fn free(&self, ptr: DevicePtr, stream: Stream) -> Result<()> {
+        let mut e = self.engine.lock();
+        let r = e.free(&self.driver, ptr.0, stream);
+        self.check(&e);
+        r
+    }
+
+    /// Allocate a buffer that frees itself when dropped.
+    ///
+    /// ```
+    /// use stitch_alloc::{Allocator, Config, Stream};
+    /// use stitch_alloc::driver::SimDriver;
+    /// let a = Allocator::new(SimDriver::with_capacity(64 << 20), Config::default()).unwrap();
+    /// {
+    ///     let b = a.alloc_buffer(4096, Stream::DEFAULT).unwrap();
+    ///     assert_eq!(b.len(), 4096);
+    ///     assert_eq!(a.stats().live_allocations.current, 1);
+    /// }
+    /// assert_eq!(a.stats().live_allocations.current, 0);
+    /// ```
+    pub fn alloc_buffer(&self, size: u64, stream: Stream) -> Result<Buffer<'_, D>> {
+        let ptr = self.alloc(size, stream)?;
+        Ok(Buffer {
+            alloc: self,
+            ptr,
+            len: size,
+            stream,
+        })
+    }
+
+    /// Record that the live allocation at `ptr` is also used on `stream` (like PyTorch's
+    /// `record_stream`): its free will then wait for that stream too.
+    pub fn record_stream(&self, ptr: DevicePtr, stream: Stream) -> Result<()> {
+        self.engine.lock().record_stream(ptr.0, stream)
+    }
+
+    /// The usable size of the live allocation at `ptr` (its request rounded to 512 bytes).
+    pub fn usable_size(&self, ptr: DevicePtr) -> Option<u64> {
+        self.engine.lock().usable_size(ptr.0)
+    }
+
+    /// Release every physical handle that holds no live byte back to the driver
+    /// (`torch.cuda.empty_cache()`). Returns the bytes released.
+    pub fn empty_cache(&self) -> Result<u64> {
+        let mut e = self.engine.lock();
+        let r = e.empty_cache(&self.driver);
+        self.check(&e);
+        r
+    }
+
+    /// The cheap counters.
+    pub fn stats(&self) -> Stats {
+        self.engine.lock().stats
+    }
+
+    /// Fragmentation figures, computed by walking the structures (slower).
+    pub fn detailed_stats(&self) -> DetailedStats {
+        self.engine.lock().detailed()
+    }
+
+    /// The whole layout (blocks, handles, reservations) for dumps and pictures.
+    pub fn snapshot(&self) -> Snapshot {
+        self.engine.lock().snapshot()
+    }
+
+    /// The layout as JSON.
+    pub fn snapshot_json(&self) -> String {
+        serde_json::to_string(&self.snapshot()).expect("snapshot serialises")
+    }
+
+    /// Check every invariant; `Err` names the first one broken.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        self.engine.lock().validate()
+    }
+
+    /// The allocator's physical capacity in bytes.
+    pub fn capacity(&self) -> u64 {
+        self.engine.lock().cfg.capacity
+    }
+
+    /// The driver's granularity.
+    pub fn granularity(&self) -> u64 {
+        self.engine.lock().cfg.granularity
+    }
+
+    /// The driver.
+    pub fn driver(&self) -> &D {
+        &self.driver
+    }
+
+    /// Give all memory back to the driver; later calls fail with [`AllocError::ShutDown`].
+    /// Live allocations are reported as leaks (and logged).
+    pub fn shutdown(&self) -> ShutdownReport {
+        let mut e = self.engine.lock();
+        if e.shut_down {
+            return ShutdownReport {
+                leaked_allocations: 0,
+                leaked_bytes: 0,
+            };
+        }
+        let (n, bytes) = e.teardown(&self.driver);
+        if n > 0 {
+            tracing::warn!(allocations = n, bytes, "allocator shut down with live allocations");
+        }
+        ShutdownReport {
+            leaked_allocations: n,
+            leaked_bytes: bytes,
+        }
+    }
+}
+
+impl<D: Driver> Drop for Allocator<D> {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// An allocation that frees itself on drop (on the stream it was allocated on).
+pub struct Buffer<'a, D: Driver> {
+    alloc: &'a Allocator<D>,
+    ptr: DevicePtr,
+    len: u64,
+    stream: Stream,
+}
+
+impl<D: Driver> fmt::Debug for Buffer<'_, D> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Buffer")
+            .field("ptr", &self.ptr)
+            .field("len", &self.len)
+            .field("stream", &self.stream)
+            .finish()
+    }
+}
+
+impl<D: Driver> Buffer<'_, D> {
+    /// The device address.
+    pub fn ptr(&self) -> DevicePtr {
+        self.ptr
+    }
+    /// Requested length in bytes.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+    /// Whether the length is zero (never: zero-size requests are refused).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// The stream it was allocated on.
+    pub fn stream(&self) -> Stream {
+        self.stream
+    }
+    /// Copy bytes in at `offset` (backends with data only).
+    pub fn write(&self, offset: u64, data: &[u8]) -> Result<()> {
+        self.bounds(offset, data.len() as u64)?;
+        Ok(self.alloc.driver.write(self.ptr.0 + offset, data)?)
+    }
+    /// Copy bytes out from `offset` (backends with data only).
+    pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        self.bounds(offset, buf.len() as u64)?;
+        Ok(self.alloc.driver.read(self.ptr.0 + offset, buf)?)
+    }
+    fn bounds(&self, offset: u64, n: u64) -> Result<()> {
+        match offset.checked_add(n) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(AllocError::InvalidPointer {
+                ptr: self.ptr.0.wrapping_add(offset),
+                reason: "access outside the buffer",
+            }),
+        }
+    }
+    /// Give up ownership without freeing; free it later with [`Allocator::free`].
+    pub fn into_raw(self) -> DevicePtr {
+        let p = self.ptr;
+        std::mem::forget(self);
+        p
+    }
+}
+
+impl<D: Driver> Drop for Buffer<'_, D> {
+    fn drop(&mut self) {
+        if let Err(e) = self.alloc.free(self.ptr, self.stream) {
+            tracing::error!(%e, ptr = %self.ptr, "freeing a Buffer failed");
+        }
+    }
+}

@@ -1,0 +1,164 @@
+//! Allocator configuration.
+#![forbid(unsafe_code)]
+
+use crate::error::{AllocError, Result};
+use serde::Serialize;
+
+/// How much physical memory the allocator may hold.
+#[derive(Copy, Clone, Debug, PartialEq, Serialize)]
+pub enum Capacity {
+    /// A fixed number of bytes (rounded down to the granularity).
+    Bytes(u64),
+    /// A fraction of the device's total memory, in (0, 1].
+    Fraction(f64),
+}
+
+/// Allocator settings. Build with `Config::default()` and the `with_*` methods.
+///
+/// ```
+/// use stitch_alloc::{Capacity, Config};
+/// let c = Config::default()
+///     .with_capacity(Capacity::Bytes(8 << 30))
+///     .with_small_threshold(1 << 20)
+///     .with_stitching(false);
+/// assert!(!c.stitching);
+/// ```
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[non_exhaustive]
+pub struct Config {
+    /// Physical memory limit (default: the whole device).
+    pub capacity: Capacity,
+    /// Requests up to this many bytes are packed into small pages (default 1 MiB).
+    pub small_threshold: u64,
+    /// Size of one small page, a multiple of the granularity (default: the granularity).
+    pub small_page: u64,
+    /// Smallest handle created for a large request (default: the granularity). Larger values
+    /// make fewer, larger handles for mid-sized requests.
+    pub min_handle: u64,
+    /// Largest single handle; a larger need is built from several (default 1 GiB). Smaller
+    /// values strand less memory but cost more driver calls per stitch.
+    pub max_handle: u64,
+    /// Remap free handles into contiguous spans when no free span fits (default on). Off
+    /// gives a plain caching allocator on VMM that releases and re-creates instead.
+    pub stitching: bool,
+    /// Size of each virtual address reservation (0 = four times the capacity).
+    pub va_chunk: u64,
+    /// Upper bound on all reservations together (default 32 TiB; the process limit is 128).
+    pub va_limit: u64,
+    /// Check every invariant after each operation (slow; for tests and fuzzing).
+    pub paranoid: bool,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            capacity: Capacity::Fraction(1.0),
+            small_threshold: 1 << 20,
+            small_page: 0,
+            min_handle: 0,
+            max_handle: 1 << 30,
+            stitching: true,
+            va_chunk: 0,
+            va_limit: 32 << 40,
+            paranoid: false,
+        }
+    }
+}
+
+impl Config {
+    /// Set the capacity.
+    pub fn with_capacity(mut self, c: Capacity) -> Self {
+        self.capacity = c;
+        self
+    }
+    /// Set the small-request threshold.
+    pub fn with_small_threshold(mut self, bytes: u64) -> Self {
+        self.small_threshold = bytes;
+        self
+    }
+    /// Set the smallest and largest handle sizes (0 = the granularity).
+    pub fn with_handle_sizes(mut self, min: u64, max: u64) -> Self {
+        self.min_handle = min;
+        self.max_handle = max;
+        self
+    }
+    /// Turn stitching on or off.
+    pub fn with_stitching(mut self, on: bool) -> Self {
+        self.stitching = on;
+        self
+    }
+    /// Turn the per-operation invariant check on or off.
+    pub fn with_paranoid(mut self, on: bool) -> Self {
+        self.paranoid = on;
+        self
+    }
+
+    /// Resolve defaults against a driver's granularity and total memory, and check the values.
+    pub(crate) fn resolve(&self, granularity: u64, device_total: u64) -> Result<Resolved> {
+        let g = granularity;
+        let bad = |m: String| Err(AllocError::Config(m));
+        let capacity = match self.capacity {
+            Capacity::Bytes(b) => b,
+            Capacity::Fraction(f) if f > 0.0 && f <= 1.0 => (device_total as f64 * f) as u64,
+            Capacity::Fraction(f) => return bad(format!("capacity fraction {f} is not in (0, 1]")),
+        } / g
+            * g;
+        if capacity == 0 {
+            return bad(format!("capacity is below one {g}-byte granule"));
+        }
+        let pick = |v: u64| if v == 0 { g } else { v };
+        let small_page = pick(self.small_page);
+        let min_handle = pick(self.min_handle);
+        let max_handle = pick(self.max_handle);
+        for (name, v) in [
+            ("small_page", small_page),
+            ("min_handle", min_handle),
+            ("max_handle", max_handle),
+        ] {
+            if v % g != 0 {
+                return bad(format!("{name} {v} is not a multiple of the granularity {g}"));
+            }
+        }
+        if min_handle > max_handle {
+            return bad(format!("min_handle {min_handle} exceeds max_handle {max_handle}"));
+        }
+        if self.small_threshold > small_page / 2 {
+            return bad(format!(
+                "small_threshold {} must be at most half a small page ({small_page})",
+                self.small_threshold
+            ));
+        }
+        let va_chunk = if self.va_chunk == 0 {
+            capacity.saturating_mul(4)
+        } else {
+            self.va_chunk.div_ceil(g) * g
+        };
+        Ok(Resolved {
+            granularity: g,
+            capacity,
+            small_threshold: self.small_threshold,
+            small_page,
+            min_handle,
+            max_handle,
+            stitching: self.stitching,
+            va_chunk,
+            va_limit: self.va_limit,
+            paranoid: self.paranoid,
+        })
+    }
+}
+
+/// A checked configuration with every default filled in.
+#[derive(Clone, Debug, Serialize)]
+pub(crate) struct Resolved {
+    pub granularity: u64,
+    pub capacity: u64,
+    pub small_threshold: u64,
+    pub small_page: u64,
+    pub min_handle: u64,
+    pub max_handle: u64,
+    pub stitching: bool,
+    pub va_chunk: u64,
+    pub va_limit: u64,
+    pub paranoid: bool,
+}

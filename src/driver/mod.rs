@@ -1,0 +1,370 @@
+//! The `Driver` trait: the CUDA virtual-memory-management operations the allocator needs,
+//! and its implementations.
+//!
+//! The trait is shaped after the CUDA driver API so that a real GPU backend fits it one to
+//! one, and so that the CPU backends enforce the same rules the GPU does:
+//!
+//! * a physical handle is always mapped whole, at offset 0 (`cuMemMap`);
+//! * an unmap covers exactly one earlier mapping (`cuMemUnmap`);
+//! * a fresh mapping is inaccessible until access is set on it (`cuMemSetAccess`);
+//! * a handle can only be released when no mapping of it remains (this crate's rule; CUDA
+//!   defers the release, which hides leaks);
+//! * no VMM call waits for in-flight GPU work: unmapping memory that queued work still uses is
+//!   a use-after-free. The allocator fences with events (`record_event`, `query_event`,
+//!   `wait_event`) before it unmaps.
+//!
+//! Implementations: [`SimDriver`] (accounting only, any scale, deterministic) and
+//! [`HostDriver`] (real OS virtual memory with `mmap` and `memfd`, so remapped bytes survive).
+
+mod ledger;
+mod streams;
+
+pub mod host;
+pub mod sim;
+
+pub use host::HostDriver;
+pub use ledger::LeakReport;
+pub use sim::SimDriver;
+pub use streams::WorkId;
+
+use serde::Serialize;
+use std::fmt;
+
+/// A device virtual address.
+pub type DevAddr = u64;
+
+/// An opaque physical-memory handle returned by [`Driver::create`]
+/// (a `CUmemGenericAllocationHandle` on CUDA).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct PhysHandle(pub u64);
+
+/// An opaque event returned by [`Driver::record_event`] (a `CUevent` on CUDA).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct EventId(pub u64);
+
+/// A stream, identified by its raw handle value (a `CUstream`/`cudaStream_t` on CUDA;
+/// `Stream(0)` is the default stream).
+///
+/// ```
+/// use stitch_alloc::Stream;
+/// assert_eq!(Stream::DEFAULT, Stream(0));
+/// ```
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct Stream(pub u64);
+
+impl Stream {
+    /// The default (legacy) stream.
+    pub const DEFAULT: Stream = Stream(0);
+}
+
+/// Device memory as the driver reports it (like `cudaMemGetInfo`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct MemInfo {
+    /// Bytes the device could still hand out.
+    pub free: u64,
+    /// Total bytes of device memory.
+    pub total: u64,
+}
+
+/// The kinds of driver call, used for error reports and call counting.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DriverOp {
+    /// `cuMemAddressReserve`.
+    Reserve,
+    /// `cuMemAddressFree`.
+    FreeReservation,
+    /// `cuMemCreate`.
+    Create,
+    /// `cuMemRelease`.
+    Release,
+    /// `cuMemMap`.
+    Map,
+    /// `cuMemUnmap`.
+    Unmap,
+    /// `cuMemSetAccess`.
+    SetAccess,
+    /// `cuEventCreate` + `cuEventRecord`.
+    RecordEvent,
+    /// `cuEventQuery`.
+    QueryEvent,
+    /// `cuEventSynchronize`.
+    WaitEvent,
+    /// `cuEventDestroy`.
+    DestroyEvent,
+    /// `cuMemGetInfo`.
+    MemInfo,
+    /// Host/device copies used by tests (`cuMemcpyHtoD`/`DtoH`).
+    Copy,
+}
+
+impl DriverOp {
+    /// Every kind, in a fixed order (the order of [`CallCounts`]).
+    pub const ALL: [DriverOp; 13] = [
+        DriverOp::Reserve,
+        DriverOp::FreeReservation,
+        DriverOp::Create,
+        DriverOp::Release,
+        DriverOp::Map,
+        DriverOp::Unmap,
+        DriverOp::SetAccess,
+        DriverOp::RecordEvent,
+        DriverOp::QueryEvent,
+        DriverOp::WaitEvent,
+        DriverOp::DestroyEvent,
+        DriverOp::MemInfo,
+        DriverOp::Copy,
+    ];
+
+    /// The snake_case name used in JSON reports (`"set_access"`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            DriverOp::Reserve => "reserve",
+            DriverOp::FreeReservation => "free_reservation",
+            DriverOp::Create => "create",
+            DriverOp::Release => "release",
+            DriverOp::Map => "map",
+            DriverOp::Unmap => "unmap",
+            DriverOp::SetAccess => "set_access",
+            DriverOp::RecordEvent => "record_event",
+            DriverOp::QueryEvent => "query_event",
+            DriverOp::WaitEvent => "wait_event",
+            DriverOp::DestroyEvent => "destroy_event",
+            DriverOp::MemInfo => "mem_info",
+            DriverOp::Copy => "copy",
+        }
+    }
+}
+
+impl fmt::Display for DriverOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Number of calls made, by kind.
+///
+/// ```
+/// use stitch_alloc::driver::{CallCounts, DriverOp};
+/// let mut c = CallCounts::default();
+/// c.add(DriverOp::Map);
+/// assert_eq!(c.get(DriverOp::Map), 1);
+/// assert_eq!(c.total(), 1);
+/// ```
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct CallCounts([u64; 13]);
+
+impl CallCounts {
+    /// Count one call of `op`.
+    #[inline]
+    pub fn add(&mut self, op: DriverOp) {
+        self.0[op as usize] += 1;
+    }
+    /// Calls of `op` so far.
+    pub fn get(&self, op: DriverOp) -> u64 {
+        self.0[op as usize]
+    }
+    /// All calls so far.
+    pub fn total(&self) -> u64 {
+        self.0.iter().sum()
+    }
+    /// VMM calls only (reserve, free_reservation, create, release, map, unmap, set_access).
+    pub fn vmm_total(&self) -> u64 {
+        self.0[..7].iter().sum()
+    }
+    /// `(name, count)` pairs for every kind.
+    pub fn iter(&self) -> impl Iterator<Item = (DriverOp, u64)> + '_ {
+        DriverOp::ALL.iter().map(move |&op| (op, self.get(op)))
+    }
+}
+
+impl Serialize for CallCounts {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut m = s.serialize_map(Some(DriverOp::ALL.len()))?;
+        for (op, n) in self.iter() {
+            m.serialize_entry(op.name(), &n)?;
+        }
+        m.end()
+    }
+}
+
+/// A failed driver call: which call, the driver's numeric code, and a message.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{op} failed (code {code}): {message}")]
+pub struct DriverError {
+    /// The call that failed.
+    pub op: DriverOp,
+    /// The driver's code (a `CUresult` on CUDA, an `errno` on the host backend,
+    /// one of the `code::` constants for rule violations found by the CPU backends).
+    pub code: i64,
+    /// What went wrong, in words.
+    pub message: String,
+}
+
+impl DriverError {
+    /// Build an error.
+    pub fn new(op: DriverOp, code: i64, message: impl Into<String>) -> Self {
+        DriverError {
+            op,
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+/// Codes used by the CPU backends, chosen to match the `CUresult` the GPU would give.
+pub mod code {
+    /// `CUDA_ERROR_INVALID_VALUE`: bad argument or rule violation.
+    pub const INVALID_VALUE: i64 = 1;
+    /// `CUDA_ERROR_OUT_OF_MEMORY`.
+    pub const OUT_OF_MEMORY: i64 = 2;
+    /// `CUDA_ERROR_NOT_SUPPORTED`.
+    pub const NOT_SUPPORTED: i64 = 801;
+    /// `CUDA_ERROR_ILLEGAL_ADDRESS`: the operation would touch memory in-flight work uses.
+    pub const ILLEGAL_ADDRESS: i64 = 700;
+    /// `CUDA_ERROR_INVALID_HANDLE`.
+    pub const INVALID_HANDLE: i64 = 400;
+    /// An operating-system limit was hit (file descriptors, `vm.max_map_count`).
+    pub const OS_LIMIT: i64 = 10_000;
+    /// An injected failure (fault-injection wrappers).
+    pub const INJECTED: i64 = 10_001;
+}
+
+/// Result of a driver call.
+pub type DriverResult<T> = Result<T, DriverError>;
+
+/// The VMM operations the allocator needs, shaped after the CUDA driver API.
+///
+/// All sizes are multiples of [`Driver::granularity`]; addresses of reservations and
+/// mappings are aligned to it. Implementations must be `Send + Sync`: the allocator calls
+/// them under its own lock, but users may share one driver between allocators.
+pub trait Driver: Send + Sync {
+    /// A short name for reports (`"sim"`, `"host"`, `"cuda"`).
+    fn name(&self) -> &'static str;
+    /// The mapping granularity in bytes (2 MiB on current GPUs).
+    fn granularity(&self) -> u64;
+    /// Total and free device memory.
+    fn mem_info(&self) -> DriverResult<MemInfo>;
+
+    /// Reserve `size` bytes of virtual address space (`cuMemAddressReserve`).
+    fn reserve(&self, size: u64) -> DriverResult<DevAddr>;
+    /// Free a whole earlier reservation (`cuMemAddressFree`). It must hold no mapping.
+    fn free_reservation(&self, base: DevAddr, size: u64) -> DriverResult<()>;
+
+    /// Create a physical handle of `size` bytes (`cuMemCreate`).
+    fn create(&self, size: u64) -> DriverResult<PhysHandle>;
+    /// Release a handle (`cuMemRelease`). It must not be mapped anywhere.
+    fn release(&self, handle: PhysHandle) -> DriverResult<()>;
+
+    /// Map the whole of `handle` (`size` must be its size) at `addr`, which must lie in a
+    /// reservation and overlap no mapping (`cuMemMap`). The new mapping is inaccessible
+    /// until [`Driver::set_access`].
+    fn map(&self, addr: DevAddr, size: u64, handle: PhysHandle) -> DriverResult<()>;
+    /// Remove exactly one earlier mapping (`cuMemUnmap`). Fails if in-flight work still
+    /// uses the range (the CPU backends detect this; on a GPU it would be a use-after-free).
+    fn unmap(&self, addr: DevAddr, size: u64) -> DriverResult<()>;
+    /// Grant read-write access on a fully mapped range, which may span several mappings
+    /// (`cuMemSetAccess`).
+    fn set_access(&self, addr: DevAddr, size: u64) -> DriverResult<()>;
+
+    /// Record an event on `stream` that completes once all work queued on it so far has.
+    fn record_event(&self, stream: Stream) -> DriverResult<EventId>;
+    /// Whether `event` has completed (never blocks).
+    fn query_event(&self, event: EventId) -> DriverResult<bool>;
+    /// Block until `event` completes.
+    fn wait_event(&self, event: EventId) -> DriverResult<()>;
+    /// Destroy an event.
+    fn destroy_event(&self, event: EventId) -> DriverResult<()>;
+
+    /// Copy bytes from the host into mapped, accessible device memory.
+    /// Backends without data (the simulator) return a `NOT_SUPPORTED` error.
+    fn write(&self, addr: DevAddr, data: &[u8]) -> DriverResult<()> {
+        let _ = (addr, data);
+        Err(DriverError::new(
+            DriverOp::Copy,
+            code::NOT_SUPPORTED,
+            "this backend holds no data",
+        ))
+    }
+    /// Copy bytes from mapped, accessible device memory to the host.
+    fn read(&self, addr: DevAddr, buf: &mut [u8]) -> DriverResult<()> {
+        let _ = (addr, buf);
+        Err(DriverError::new(
+            DriverOp::Copy,
+            code::NOT_SUPPORTED,
+            "this backend holds no data",
+        ))
+    }
+    /// Whether [`Driver::write`] and [`Driver::read`] work.
+    fn has_data(&self) -> bool {
+        false
+    }
+}
+
+/// A shared driver: lets a test keep a handle on the driver (say, to read a `SimDriver`'s
+/// leak report after the allocator is dropped).
+///
+/// ```
+/// use std::sync::Arc;
+/// use stitch_alloc::{Allocator, Config, Stream};
+/// use stitch_alloc::driver::SimDriver;
+/// let sim = Arc::new(SimDriver::with_capacity(1 << 30));
+/// let a = Allocator::new(sim.clone(), Config::default()).unwrap();
+/// a.alloc(10 << 20, Stream::DEFAULT).unwrap();
+/// drop(a); // gives everything back, reporting the live allocation as a leak
+/// assert!(sim.leak_report().is_clean());
+/// ```
+impl<T: Driver + ?Sized> Driver for std::sync::Arc<T> {
+    fn name(&self) -> &'static str {
+        (**self).name()
+    }
+    fn granularity(&self) -> u64 {
+        (**self).granularity()
+    }
+    fn mem_info(&self) -> DriverResult<MemInfo> {
+        (**self).mem_info()
+    }
+    fn reserve(&self, size: u64) -> DriverResult<DevAddr> {
+        (**self).reserve(size)
+    }
+    fn free_reservation(&self, base: DevAddr, size: u64) -> DriverResult<()> {
+        (**self).free_reservation(base, size)
+    }
+    fn create(&self, size: u64) -> DriverResult<PhysHandle> {
+        (**self).create(size)
+    }
+    fn release(&self, handle: PhysHandle) -> DriverResult<()> {
+        (**self).release(handle)
+    }
+    fn map(&self, addr: DevAddr, size: u64, handle: PhysHandle) -> DriverResult<()> {
+        (**self).map(addr, size, handle)
+    }
+    fn unmap(&self, addr: DevAddr, size: u64) -> DriverResult<()> {
+        (**self).unmap(addr, size)
+    }
+    fn set_access(&self, addr: DevAddr, size: u64) -> DriverResult<()> {
+        (**self).set_access(addr, size)
+    }
+    fn record_event(&self, stream: Stream) -> DriverResult<EventId> {
+        (**self).record_event(stream)
+    }
+    fn query_event(&self, event: EventId) -> DriverResult<bool> {
+        (**self).query_event(event)
+    }
+    fn wait_event(&self, event: EventId) -> DriverResult<()> {
+        (**self).wait_event(event)
+    }
+    fn destroy_event(&self, event: EventId) -> DriverResult<()> {
+        (**self).destroy_event(event)
+    }
+    fn write(&self, addr: DevAddr, data: &[u8]) -> DriverResult<()> {
+        (**self).write(addr, data)
+    }
+    fn read(&self, addr: DevAddr, buf: &mut [u8]) -> DriverResult<()> {
+        (**self).read(addr, buf)
+    }
+    fn has_data(&self) -> bool {
+        (**self).has_data()
+    }
+}

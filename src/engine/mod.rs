@@ -1,0 +1,1550 @@
+//! The allocation engine: blocks, free lists, handles, virtual address space, stream fences,
+//! and the slow paths (stitching, growing, releasing) that call the driver.
+//!
+//! The engine is single-threaded; [`crate::Allocator`] wraps it in a lock.
+//!
+//! # Data model
+//! * A **handle** is physical memory created by the driver. It is either mapped whole at one
+//!   address (recorded in `mapped`), or owned and unmapped (`unmapped`), or — only after a
+//!   failed rollback — mapped without access (`quarantine`).
+//! * A **block** is a piece of mapped memory: live (handed out), free (in a free list), or
+//!   pending (freed, waiting for events of several streams). Blocks of one contiguously
+//!   mapped run are linked in address order (`prev`/`next`); two neighbours that are both
+//!   free with the same owner are always merged.
+//! * A free block has an **owner**: 0 = clean (usable by any stream and by stitching), `k > 0`
+//!   = freed on stream `owners[k].stream` and not yet fenced (usable by that stream only).
+//! * Small requests live in the small pool: runs of exactly one handle (a "small page").
+#![forbid(unsafe_code)]
+
+mod bins;
+mod va;
+
+use crate::config::Resolved;
+use crate::driver::{Driver, DriverOp, DriverResult, EventId, PhysHandle, Stream};
+use crate::error::{AllocError, OomReport, Result};
+use crate::stats::{DetailedStats, Stats};
+use bins::Bins;
+use rustc_hash::FxHashMap;
+use serde::Serialize;
+use std::collections::BTreeMap;
+use va::VaSpace;
+
+/// "No block".
+pub(crate) const NIL: u32 = u32::MAX;
+/// Allocation unit and alignment: 512 bytes.
+pub(crate) const UNIT: u64 = 512;
+
+/// Which pool a block belongs to.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Pool {
+    /// Requests up to the small threshold, packed into small pages.
+    Small = 0,
+    /// Everything else.
+    Large = 1,
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) enum State {
+    /// In `bins[owner][pool]`. `seq` is the owner's free counter when it was freed
+    /// (the highest of the merged pieces).
+    Free { owner: u16, seq: u64 },
+    /// Handed out; in `live` under its address.
+    Live { requested: u64, stream: Stream },
+    /// Freed with uses on several streams; in `pending` until all their events complete.
+    Pending,
+    /// Unused arena slot; in `vacant`.
+    Vacant,
+}
+
+/// One block. Invariants (checked by `Engine::validate`):
+/// `size > 0`, `addr` and `size` multiples of `UNIT`; `prev`/`next` link blocks of one
+/// contiguously mapped run: `blocks[prev].addr + blocks[prev].size == addr`.
+#[derive(Clone, Debug)]
+pub(crate) struct Block {
+    pub(crate) addr: u64,
+    pub(crate) size: u64,
+    pub(crate) prev: u32,
+    pub(crate) next: u32,
+    /// Free-list links, meaningful while `state` is `Free`.
+    pub(crate) fprev: u32,
+    pub(crate) fnext: u32,
+    pub(crate) pool: Pool,
+    pub(crate) state: State,
+}
+
+#[derive(Debug)]
+struct Owner {
+    /// The stream whose frees this owner holds (unused for owner 0, the clean pool).
+    stream: Stream,
+    /// Frees counted on this stream so far.
+    free_seq: u64,
+    /// An event recorded on the stream, covering frees with `seq <= covered`.
+    fence: Option<(EventId, u64)>,
+}
+
+#[derive(Debug)]
+struct HandleRec {
+    handle: PhysHandle,
+    size: u64,
+    /// Where it is mapped, if anywhere.
+    at: Option<u64>,
+}
+
+#[derive(Debug)]
+struct PendingFree {
+    block: u32,
+    events: Vec<EventId>,
+}
+
+/// A whole handle that holds no live byte.
+#[derive(Copy, Clone, Debug)]
+struct Cand {
+    hid: u32,
+    size: u64,
+    /// The clean free block containing it, or `NIL` when unmapped.
+    block: u32,
+    addr: u64,
+}
+
+/// Result of an attempt to get more memory for a pool.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum Grow {
+    Done,
+    /// Not enough free handles plus headroom under the capacity.
+    Short,
+    /// The driver refused to create memory below our capacity.
+    DriverOom,
+}
+
+/// A view of one block for dumps and pictures.
+#[derive(Clone, Debug, Serialize)]
+pub struct BlockView {
+    /// Start address.
+    pub addr: u64,
+    /// Size in bytes.
+    pub size: u64,
+    /// Pool.
+    pub pool: Pool,
+    /// `"live"`, `"free"` (clean), `"dirty"` (freed, not yet fenced), or `"pending"`.
+    pub state: &'static str,
+    /// The stream that allocated it (live) or freed it (dirty).
+    pub stream: Option<u64>,
+    /// Requested bytes (live blocks).
+    pub requested: Option<u64>,
+}
+
+/// A view of one handle.
+#[derive(Clone, Debug, Serialize)]
+pub struct HandleView {
+    /// Size in bytes.
+    pub size: u64,
+    /// Where it is mapped (none if owned but unmapped).
+    pub addr: Option<u64>,
+    /// Whether a live or pending block overlaps it.
+    pub holds_live: bool,
+}
+
+/// The allocator's whole layout, for JSON dumps and address-space pictures.
+#[derive(Clone, Debug, Serialize)]
+pub struct Snapshot {
+    /// Statistics at the same moment.
+    pub detailed: DetailedStats,
+    /// Virtual address reservations as (base, size).
+    pub reservations: Vec<(u64, u64)>,
+    /// Every handle.
+    pub handles: Vec<HandleView>,
+    /// Runs of contiguously mapped blocks, each in address order.
+    pub runs: Vec<Vec<BlockView>>,
+}
+
+/// The engine state (see the module docs).
+pub(crate) struct Engine {
+    pub(crate) cfg: Resolved,
+    blocks: Vec<Block>,
+    vacant: Vec<u32>,
+    /// address -> block, for every live block.
+    live: FxHashMap<u64, u32>,
+    /// `owners[0]` is the clean pool; others are streams, in order of first free.
+    owners: Vec<Owner>,
+    /// `bins[owner][pool]` holds exactly the free blocks with that owner and pool.
+    bins: Vec<[Bins; 2]>,
+    pending: Vec<PendingFree>,
+    /// Extra streams that used a live block (`record_stream`).
+    extra: FxHashMap<u32, Vec<Stream>>,
+    handles: Vec<Option<HandleRec>>,
+    free_hids: Vec<u32>,
+    /// address -> handle id, for every mapped, accessible handle; all of them are covered
+    /// exactly by blocks.
+    mapped: BTreeMap<u64, u32>,
+    /// Owned handles that are not mapped.
+    unmapped: Vec<u32>,
+    /// Handles left mapped without access after a failed rollback.
+    quarantine: Vec<u32>,
+    va: VaSpace,
+    pub(crate) stats: Stats,
+    pub(crate) shut_down: bool,
+}
+
+fn round_up(v: u64, to: u64) -> u64 {
+    v.div_ceil(to) * to
+}
+
+impl Engine {
+    pub(crate) fn new<D: Driver + ?Sized>(d: &D, cfg: Resolved) -> Result<Self> {
+        let mut e = Engine {
+            cfg,
+            blocks: Vec::new(),
+            vacant: Vec::new(),
+            live: FxHashMap::default(),
+            owners: vec![Owner {
+                stream: Stream(u64::MAX),
+                free_seq: 0,
+                fence: None,
+            }],
+            bins: vec![Default::default()],
+            pending: Vec::new(),
+            extra: FxHashMap::default(),
+            handles: Vec::new(),
+            free_hids: Vec::new(),
+            mapped: BTreeMap::new(),
+            unmapped: Vec::new(),
+            quarantine: Vec::new(),
+            va: VaSpace::default(),
+            stats: Stats::default(),
+            shut_down: false,
+        };
+        let chunk = e.cfg.va_chunk;
+        e.reserve_va(d, chunk)?;
+        Ok(e)
+    }
+
+    #[inline]
+    fn drv<T>(&mut self, op: DriverOp, f: impl FnOnce() -> DriverResult<T>) -> DriverResult<T> {
+        self.stats.calls.add(op);
+        f()
+    }
+
+    fn reserve_va<D: Driver + ?Sized>(&mut self, d: &D, size: u64) -> Result<()> {
+        let total = self.va.reserved();
+        if total.saturating_add(size) > self.cfg.va_limit {
+            return Err(AllocError::Driver {
+                op: DriverOp::Reserve,
+                code: crate::driver::code::OUT_OF_MEMORY,
+                message: format!(
+                    "virtual address limit: {total} bytes reserved, {size} more would pass va_limit {}",
+                    self.cfg.va_limit
+                ),
+            });
+        }
+        let base = self.drv(DriverOp::Reserve, || d.reserve(size))?;
+        tracing::debug!(base, size, "reserved virtual address space");
+        self.va.add_reservation(base, size);
+        Ok(())
+    }
+
+    fn va_alloc<D: Driver + ?Sized>(&mut self, d: &D, len: u64) -> Result<u64> {
+        if let Some(a) = self.va.alloc(len) {
+            return Ok(a);
+        }
+        let chunk = self.cfg.va_chunk.max(len);
+        self.reserve_va(d, chunk)?;
+        Ok(self.va.alloc(len).expect("fresh reservation fits"))
+    }
+
+    // ----- arena -----
+
+    fn new_block(&mut self, b: Block) -> u32 {
+        if let Some(i) = self.vacant.pop() {
+            self.blocks[i as usize] = b;
+            i
+        } else {
+            self.blocks.push(b);
+            (self.blocks.len() - 1) as u32
+        }
+    }
+
+    fn vacate(&mut self, i: u32) {
+        self.blocks[i as usize].state = State::Vacant;
+        self.vacant.push(i);
+    }
+
+    fn add_handle(&mut self, handle: PhysHandle, size: u64) -> u32 {
+        let rec = Some(HandleRec {
+            handle,
+            size,
+            at: None,
+        });
+        self.stats.reserved.add(size);
+        self.stats.handles += 1;
+        self.stats.handles_created += 1;
+        if let Some(h) = self.free_hids.pop() {
+            self.handles[h as usize] = rec;
+            h
+        } else {
+            self.handles.push(rec);
+            (self.handles.len() - 1) as u32
+        }
+    }
+
+    fn hsize(&self, hid: u32) -> u64 {
+        self.handles[hid as usize].as_ref().expect("live handle").size
+    }
+
+    fn hrec(&self, hid: u32) -> &HandleRec {
+        self.handles[hid as usize].as_ref().expect("live handle")
+    }
+
+    /// Release an unmapped handle to the driver. On failure it stays owned and unmapped.
+    fn release_handle<D: Driver + ?Sized>(&mut self, d: &D, hid: u32) -> DriverResult<()> {
+        let h = self.hrec(hid).handle;
+        match self.drv(DriverOp::Release, || d.release(h)) {
+            Ok(()) => {
+                let size = self.hsize(hid);
+                self.handles[hid as usize] = None;
+                self.free_hids.push(hid);
+                self.stats.reserved.sub(size);
+                self.stats.handles -= 1;
+                self.stats.handles_released += 1;
+                Ok(())
+            }
+            Err(e) => {
+                self.unmapped.push(hid);
+                Err(e)
+            }
+        }
+    }
+
+    // ----- hot path -----
+
+    fn owner_index(&self, stream: Stream) -> Option<usize> {
+        self.owners[1..]
+            .iter()
+            .position(|o| o.stream == stream)
+            .map(|i| i + 1)
+    }
+
+    fn owner_for(&mut self, stream: Stream) -> usize {
+        if let Some(o) = self.owner_index(stream) {
+            return o;
+        }
+        self.owners.push(Owner {
+            stream,
+            free_seq: 0,
+            fence: None,
+        });
+        self.bins.push(Default::default());
+        self.owners.len() - 1
+    }
+
+    #[inline]
+    fn find(&self, rsize: u64, pool: Pool, stream: Stream) -> Option<u32> {
+        let p = pool as usize;
+        let clean = self.bins[0][p].find(&self.blocks, rsize);
+        let own = if self.owners.len() > 1 {
+            self.owner_index(stream)
+                .and_then(|o| self.bins[o][p].find(&self.blocks, rsize))
+        } else {
+            None
+        };
+        match (clean, own) {
+            (Some(a), Some(b)) => Some(
+                if self.blocks[b as usize].size <= self.blocks[a as usize].size {
+                    b
+                } else {
+                    a
+                },
+            ),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Like `find`, but scans whole classes: used on the slow path so no fit is ever missed.
+    fn find_exhaustive(&self, rsize: u64, pool: Pool, stream: Stream) -> Option<u32> {
+        if let Some(i) = self.find(rsize, pool, stream) {
+            return Some(i);
+        }
+        let p = pool as usize;
+        let mut all = Vec::new();
+        self.bins[0][p].collect(&self.blocks, &mut all);
+        if let Some(o) = self.owner_index(stream) {
+            self.bins[o][p].collect(&self.blocks, &mut all);
+        }
+        all.into_iter()
+            .filter(|&i| self.blocks[i as usize].size >= rsize)
+            .min_by_key(|&i| self.blocks[i as usize].size)
+    }
+
+    /// Hand out `rsize` bytes from the start of free block `i`.
+    #[inline]
+    fn take(&mut self, i: u32, rsize: u64, requested: u64, stream: Stream) -> u64 {
+        let (owner, seq) = match self.blocks[i as usize].state {
+            State::Free { owner, seq } => (owner, seq),
+            _ => unreachable!("take of a block that is not free"),
+        };
+        let pool = self.blocks[i as usize].pool;
+        self.bins[owner as usize][pool as usize].remove(&mut self.blocks, i);
+        let (addr, size, next) = {
+            let b = &self.blocks[i as usize];
+            (b.addr, b.size, b.next)
+        };
+        if size > rsize {
+            let r = self.new_block(Block {
+                addr: addr + rsize,
+                size: size - rsize,
+                prev: i,
+                next,
+                fprev: NIL,
+                fnext: NIL,
+                pool,
+                state: State::Free { owner, seq },
+            });
+            if next != NIL {
+                self.blocks[next as usize].prev = r;
+            }
+            let b = &mut self.blocks[i as usize];
+            b.next = r;
+            b.size = rsize;
+            self.bins[owner as usize][pool as usize].insert(&mut self.blocks, r);
+        }
+        self.blocks[i as usize].state = State::Live { requested, stream };
+        self.live.insert(addr, i);
+        let s = &mut self.stats;
+        s.requested.add(requested);
+        s.allocated.add(rsize);
+        s.live_allocations.add(1);
+        s.allocs += 1;
+        addr
+    }
+
+    /// Merge free block `i` (not in any list) with same-owner free neighbours, then list it.
+    fn coalesce_insert(&mut self, mut i: u32) {
+        let State::Free { owner, mut seq } = self.blocks[i as usize].state else {
+            unreachable!("coalesce of a block that is not free")
+        };
+        let pool = self.blocks[i as usize].pool as usize;
+        let prev = self.blocks[i as usize].prev;
+        if prev != NIL {
+            if let State::Free { owner: po, seq: ps } = self.blocks[prev as usize].state {
+                if po == owner {
+                    self.bins[owner as usize][pool].remove(&mut self.blocks, prev);
+                    seq = seq.max(ps);
+                    let (size, next) = {
+                        let b = &self.blocks[i as usize];
+                        (b.size, b.next)
+                    };
+                    let p = &mut self.blocks[prev as usize];
+                    p.size += size;
+                    p.next = next;
+                    if next != NIL {
+                        self.blocks[next as usize].prev = prev;
+                    }
+                    self.vacate(i);
+                    i = prev;
+                }
+            }
+        }
+        let next = self.blocks[i as usize].next;
+        if next != NIL {
+            if let State::Free { owner: no, seq: ns } = self.blocks[next as usize].state {
+                if no == owner {
+                    self.bins[owner as usize][pool].remove(&mut self.blocks, next);
+                    seq = seq.max(ns);
+                    let (size, nn) = {
+                        let n = &self.blocks[next as usize];
+                        (n.size, n.next)
+                    };
+                    let b = &mut self.blocks[i as usize];
+                    b.size += size;
+                    b.next = nn;
+                    if nn != NIL {
+                        self.blocks[nn as usize].prev = i;
+                    }
+                    self.vacate(next);
+                }
+            }
+        }
+        self.blocks[i as usize].state = State::Free { owner, seq };
+        self.bins[owner as usize][pool].insert(&mut self.blocks, i);
+    }
+
+    /// Allocate `size` bytes for use on `stream`.
+    pub(crate) fn alloc<D: Driver + ?Sized>(
+        &mut self,
+        d: &D,
+        size: u64,
+        stream: Stream,
+    ) -> Result<u64> {
+        if self.shut_down {
+            return Err(AllocError::ShutDown);
+        }
+        if size == 0 {
+            return Err(AllocError::ZeroSize);
+        }
+        if size > self.cfg.capacity {
+            return Err(AllocError::TooLarge {
+                requested: size,
+                limit: self.cfg.capacity,
+            });
+        }
+        let rsize = round_up(size, UNIT);
+        let pool = if size <= self.cfg.small_threshold {
+            Pool::Small
+        } else {
+            Pool::Large
+        };
+        if let Some(i) = self.find(rsize, pool, stream) {
+            self.stats.fast_allocs += 1;
+            return Ok(self.take(i, rsize, size, stream));
+        }
+        self.alloc_slow(d, size, rsize, pool, stream)
+    }
+
+    fn alloc_slow<D: Driver + ?Sized>(
+        &mut self,
+        d: &D,
+        size: u64,
+        rsize: u64,
+        pool: Pool,
+        stream: Stream,
+    ) -> Result<u64> {
+        self.stats.slow_allocs += 1;
+        let _span = tracing::debug_span!("alloc_slow", size, ?pool, stream = stream.0).entered();
+        // Frees fenced since the last slow path may have become clean and merged.
+        self.poll(d, false)?;
+        let mut grown = match self.find_exhaustive(rsize, pool, stream) {
+            Some(_) => Grow::Done,
+            None => self.grow(d, pool, rsize)?,
+        };
+        if grown != Grow::Done {
+            // Block until every outstanding free is usable, then try once more.
+            self.poll(d, true)?;
+            grown = match self.find_exhaustive(rsize, pool, stream) {
+                Some(_) => Grow::Done,
+                None => self.grow(d, pool, rsize)?,
+            };
+        }
+        if grown != Grow::Done {
+            self.stats.ooms += 1;
+            let report = self.oom_report(size, rsize, grown == Grow::DriverOom);
+            tracing::warn!(%report, "allocation failed: out of memory");
+            return Err(AllocError::OutOfMemory(Box::new(report)));
+        }
+        let i = self
+            .find_exhaustive(rsize, pool, stream)
+            .expect("growing made room");
+        Ok(self.take(i, rsize, size, stream))
+    }
+
+    // ----- free -----
+
+    /// Why `ptr` is not a live allocation.
+    fn diagnose(&self, ptr: u64) -> AllocError {
+        let Some((&ha, &hid)) = self.mapped.range(..=ptr).next_back() else {
+            return AllocError::InvalidPointer {
+                ptr,
+                reason: "not inside memory of this allocator",
+            };
+        };
+        if ptr >= ha + self.hsize(hid) {
+            return AllocError::InvalidPointer {
+                ptr,
+                reason: "not inside memory of this allocator",
+            };
+        }
+        // Find the block containing ptr by walking the run from the handle's start.
+        let mut cands = Vec::new();
+        for b in self.bins.iter().flatten() {
+            b.collect(&self.blocks, &mut cands);
+        }
+        let in_free = cands.iter().any(|&i| {
+            let b = &self.blocks[i as usize];
+            b.addr <= ptr && ptr < b.addr + b.size
+        }) || self.pending.iter().any(|p| {
+            let b = &self.blocks[p.block as usize];
+            b.addr <= ptr && ptr < b.addr + b.size
+        });
+        if in_free {
+            AllocError::DoubleFree { ptr }
+        } else {
+            AllocError::InvalidPointer {
+                ptr,
+                reason: "points inside a live allocation, not at its start",
+            }
+        }
+    }
+
+    /// Free the allocation at `ptr`, whose last use is on `stream`.
+    pub(crate) fn free<D: Driver + ?Sized>(&mut self, d: &D, ptr: u64, stream: Stream) -> Result<()> {
+        let Some(&i) = self.live.get(&ptr) else {
+            return Err(self.diagnose(ptr));
+        };
+        let State::Live {
+            requested,
+            stream: s0,
+        } = self.blocks[i as usize].state
+        else {
+            unreachable!("live map points at a block that is not live")
+        };
+        let extra = self.extra.get(&i);
+        let single = stream == s0 && extra.map_or(true, |v| v.iter().all(|&s| s == s0));
+        let size = self.blocks[i as usize].size;
+        if single {
+            let o = self.owner_for(s0);
+            self.owners[o].free_seq += 1;
+            let seq = self.owners[o].free_seq;
+            self.blocks[i as usize].state = State::Free {
+                owner: o as u16,
+                seq,
+            };
+            self.coalesce_insert(i);
+        } else {
+            // Uses on several streams: fence each now; reusable once all have completed.
+            let mut streams = vec![s0, stream];
+            streams.extend(extra.into_iter().flatten().copied());
+            streams.sort();
+            streams.dedup();
+            let mut events = Vec::with_capacity(streams.len());
+            for s in streams {
+                match self.drv(DriverOp::RecordEvent, || d.record_event(s)) {
+                    Ok(e) => events.push(e),
+                    Err(err) => {
+                        for e in events {
+                            let _ = self.drv(DriverOp::DestroyEvent, || d.destroy_event(e));
+                        }
+                        return Err(err.into());
+                    }
+                }
+            }
+            self.blocks[i as usize].state = State::Pending;
+            self.pending.push(PendingFree { block: i, events });
+            self.stats.pending_free += size;
+        }
+        self.live.remove(&ptr);
+        self.extra.remove(&i);
+        let s = &mut self.stats;
+        s.requested.sub(requested);
+        s.allocated.sub(size);
+        s.live_allocations.sub(1);
+        s.frees += 1;
+        Ok(())
+    }
+
+    /// Note that the live allocation at `ptr` is also used on `stream`.
+    pub(crate) fn record_stream(&mut self, ptr: u64, stream: Stream) -> Result<()> {
+        let Some(&i) = self.live.get(&ptr) else {
+            return Err(self.diagnose(ptr));
+        };
+        let v = self.extra.entry(i).or_default();
+        if !v.contains(&stream) {
+            v.push(stream);
+        }
+        Ok(())
+    }
+
+    /// Size in bytes usable at `ptr` (the rounded block size), if it is live.
+    pub(crate) fn usable_size(&self, ptr: u64) -> Option<u64> {
+        self.live.get(&ptr).map(|&i| self.blocks[i as usize].size)
+    }
+
+    // ----- fences -----
+
+    /// Move owner `k`'s free blocks with `seq <= covered` to the clean pool.
+    fn migrate(&mut self, k: usize, covered: u64) {
+        let mut list = Vec::new();
+        for p in 0..2 {
+            self.bins[k][p].collect(&self.blocks, &mut list);
+        }
+        for i in list {
+            if let State::Free { owner, seq } = self.blocks[i as usize].state {
+                if owner as usize == k && seq <= covered {
+                    let pool = self.blocks[i as usize].pool as usize;
+                    self.bins[k][pool].remove(&mut self.blocks, i);
+                    self.blocks[i as usize].state = State::Free { owner: 0, seq: 0 };
+                    self.coalesce_insert(i);
+                }
+            }
+        }
+    }
+
+    /// Fence streams with unfenced frees, and make clean whatever has completed. With
+    /// `wait`, block until every free so far is clean.
+    fn poll<D: Driver + ?Sized>(&mut self, d: &D, wait: bool) -> Result<()> {
+        for k in 1..self.owners.len() {
+            loop {
+                let dirty = self.bins[k][0].count + self.bins[k][1].count > 0;
+                if self.owners[k].fence.is_none() {
+                    if !dirty {
+                        break;
+                    }
+                    let s = self.owners[k].stream;
+                    let e = self.drv(DriverOp::RecordEvent, || d.record_event(s))?;
+                    self.owners[k].fence = Some((e, self.owners[k].free_seq));
+                }
+                let (e, covered) = self.owners[k].fence.expect("fence set above");
+                let done = if wait {
+                    self.drv(DriverOp::WaitEvent, || d.wait_event(e))?;
+                    self.stats.event_waits += 1;
+                    true
+                } else {
+                    self.drv(DriverOp::QueryEvent, || d.query_event(e))?
+                };
+                if !done {
+                    break;
+                }
+                self.owners[k].fence = None;
+                if let Err(err) = self.drv(DriverOp::DestroyEvent, || d.destroy_event(e)) {
+                    tracing::warn!(%err, "could not destroy a completed fence event");
+                }
+                self.migrate(k, covered);
+                if !wait {
+                    break;
+                }
+            }
+        }
+        let mut j = 0;
+        while j < self.pending.len() {
+            let mut all = true;
+            for idx in 0..self.pending[j].events.len() {
+                let e = self.pending[j].events[idx];
+                let done = if wait {
+                    self.drv(DriverOp::WaitEvent, || d.wait_event(e))?;
+                    self.stats.event_waits += 1;
+                    true
+                } else {
+                    self.drv(DriverOp::QueryEvent, || d.query_event(e))?
+                };
+                if !done {
+                    all = false;
+                    break;
+                }
+            }
+            if all {
+                let p = self.pending.swap_remove(j);
+                for e in p.events {
+                    if let Err(err) = self.drv(DriverOp::DestroyEvent, || d.destroy_event(e)) {
+                        tracing::warn!(%err, "could not destroy a completed event");
+                    }
+                }
+                let size = self.blocks[p.block as usize].size;
+                self.stats.pending_free -= size;
+                self.blocks[p.block as usize].state = State::Free { owner: 0, seq: 0 };
+                self.coalesce_insert(p.block);
+            } else {
+                j += 1;
+            }
+        }
+        Ok(())
+    }
+
+    // ----- growing -----
+
+    /// Whole handles that hold no live byte and are clean: inside clean free blocks, or unmapped.
+    fn free_handles(&self) -> Vec<Cand> {
+        let mut list = Vec::new();
+        for p in 0..2 {
+            self.bins[0][p].collect(&self.blocks, &mut list);
+        }
+        let mut out = Vec::new();
+        for i in list {
+            let b = &self.blocks[i as usize];
+            let end = b.addr + b.size;
+            for (&ha, &hid) in self.mapped.range(b.addr..end) {
+                let size = self.hsize(hid);
+                if ha + size <= end {
+                    out.push(Cand {
+                        hid,
+                        size,
+                        block: i,
+                        addr: ha,
+                    });
+                }
+            }
+        }
+        for &hid in &self.unmapped {
+            out.push(Cand {
+                hid,
+                size: self.hsize(hid),
+                block: NIL,
+                addr: 0,
+            });
+        }
+        out
+    }
+
+    fn grow<D: Driver + ?Sized>(&mut self, d: &D, pool: Pool, rsize: u64) -> Result<Grow> {
+        match pool {
+            Pool::Small => self.grow_small(d),
+            Pool::Large if self.cfg.stitching => self.stitch(d, rsize),
+            Pool::Large => self.grow_plain(d, rsize),
+        }
+    }
+
+    fn headroom(&self) -> u64 {
+        self.cfg.capacity - self.stats.reserved.current
+    }
+
+    /// Pick free handles to cover `need` bytes: unmapped ones first (no unmap needed), then
+    /// the one that covers the remainder most tightly, else the largest, repeatedly.
+    fn choose(mut cands: Vec<Cand>, need: u64) -> Vec<Cand> {
+        cands.sort_by_key(|c| (c.block != NIL, std::cmp::Reverse(c.size)));
+        let mut chosen = Vec::new();
+        let mut left = need;
+        // Unmapped handles cost no unmap: take them all first if they help.
+        while left > 0 && cands.first().is_some_and(|c| c.block == NIL) {
+            let c = cands.remove(0);
+            left = left.saturating_sub(c.size);
+            chosen.push(c);
+        }
+        while left > 0 && !cands.is_empty() {
+            // cands is sorted by size, descending: the tightest fit is the last that fits.
+            let pick = match cands.iter().rposition(|c| c.size >= left) {
+                Some(p) => p,
+                None => 0,
+            };
+            let c = cands.remove(pick);
+            left = left.saturating_sub(c.size);
+            chosen.push(c);
+        }
+        chosen
+    }
+
+    /// Large-pool growth with stitching: remap free handles into one new span, creating
+    /// only the shortfall.
+    fn stitch<D: Driver + ?Sized>(&mut self, d: &D, rsize: u64) -> Result<Grow> {
+        let g = self.cfg.granularity;
+        let need = round_up(rsize, g);
+        let cands = self.free_handles();
+        let free_total: u64 = cands.iter().map(|c| c.size).sum();
+        let headroom = self.headroom();
+        if free_total + headroom < need {
+            return Ok(Grow::Short);
+        }
+        let chosen = if free_total == 0 {
+            Vec::new()
+        } else {
+            Self::choose(cands, need)
+        };
+        let taken: u64 = chosen.iter().map(|c| c.size).sum();
+        let short = need.saturating_sub(taken);
+        let create = if short > 0 {
+            short.max(self.cfg.min_handle.min(headroom))
+        } else {
+            0
+        };
+        self.build_span(d, chosen, create, Pool::Large)
+    }
+
+    /// Large-pool growth without stitching: create new memory; if the capacity is reached,
+    /// release free handles first (what a plain caching allocator does on a miss).
+    fn grow_plain<D: Driver + ?Sized>(&mut self, d: &D, rsize: u64) -> Result<Grow> {
+        let g = self.cfg.granularity;
+        let need = round_up(rsize, g);
+        if self.headroom() < need {
+            let cands = self.free_handles();
+            let free_total: u64 = cands.iter().map(|c| c.size).sum();
+            if free_total + self.headroom() < need {
+                return Ok(Grow::Short);
+            }
+            let chosen = Self::choose(cands, need - self.headroom());
+            self.release_cands(d, chosen)?;
+        }
+        let create = need.max(self.cfg.min_handle.min(self.headroom()));
+        self.build_span(d, Vec::new(), create, Pool::Large)
+    }
+
+    /// A new small page: an unmapped page-sized handle, a new handle, or a free handle
+    /// retagged in place.
+    fn grow_small<D: Driver + ?Sized>(&mut self, d: &D) -> Result<Grow> {
+        let page = self.cfg.small_page;
+        let g = self.cfg.granularity;
+        if let Some(pos) = self.unmapped.iter().position(|&h| self.hsize(h) == page) {
+            let hid = self.unmapped[pos];
+            let c = Cand {
+                hid,
+                size: page,
+                block: NIL,
+                addr: 0,
+            };
+            return self.build_span(d, vec![c], 0, Pool::Small);
+        }
+        let headroom = self.headroom();
+        if headroom >= g {
+            let r = self.build_span(d, Vec::new(), page.min(headroom / g * g), Pool::Small)?;
+            if r == Grow::Done {
+                return Ok(r);
+            }
+        }
+        // Reuse the smallest free handle where it is: no driver call.
+        let cands = self.free_handles();
+        if let Some(c) = cands
+            .iter()
+            .filter(|c| c.block != NIL)
+            .min_by_key(|c| c.size)
+            .copied()
+        {
+            let m = self.carve(c.block, c.addr, c.size);
+            self.blocks[m as usize].pool = Pool::Small;
+            self.bins[0][Pool::Small as usize].insert(&mut self.blocks, m);
+            tracing::debug!(size = c.size, "free handle retagged as a small page");
+            return Ok(Grow::Done);
+        }
+        if let Some(c) = cands.first().copied() {
+            return self.build_span(d, vec![c], 0, Pool::Small);
+        }
+        Ok(Grow::Short)
+    }
+
+    /// Cut the handle at `[haddr, haddr+hsize)` out of clean free block `b`, which contains
+    /// it. Returns a new standalone clean free block covering exactly the handle, in no list;
+    /// the pieces of `b` around it stay listed (`b` keeps the piece below, if any).
+    fn carve(&mut self, b: u32, haddr: u64, hsize: u64) -> u32 {
+        let (addr, size, prev, next, pool) = {
+            let x = &self.blocks[b as usize];
+            (x.addr, x.size, x.prev, x.next, x.pool)
+        };
+        debug_assert!(matches!(self.blocks[b as usize].state, State::Free { owner: 0, .. }));
+        debug_assert!(addr <= haddr && haddr + hsize <= addr + size);
+        self.bins[0][pool as usize].remove(&mut self.blocks, b);
+        let below = haddr - addr;
+        let above = addr + size - (haddr + hsize);
+        let clean = State::Free { owner: 0, seq: 0 };
+        let m = if below > 0 {
+            let x = &mut self.blocks[b as usize];
+            x.size = below;
+            x.next = NIL;
+            self.bins[0][pool as usize].insert(&mut self.blocks, b);
+            self.new_block(Block {
+                addr: haddr,
+                size: hsize,
+                prev: NIL,
+                next: NIL,
+                fprev: NIL,
+                fnext: NIL,
+                pool,
+                state: clean,
+            })
+        } else {
+            if prev != NIL {
+                self.blocks[prev as usize].next = NIL;
+            }
+            let x = &mut self.blocks[b as usize];
+            x.size = hsize;
+            x.prev = NIL;
+            x.next = NIL;
+            b
+        };
+        if above > 0 {
+            let r = self.new_block(Block {
+                addr: haddr + hsize,
+                size: above,
+                prev: NIL,
+                next,
+                fprev: NIL,
+                fnext: NIL,
+                pool,
+                state: clean,
+            });
+            if next != NIL {
+                self.blocks[next as usize].prev = r;
+            }
+            self.bins[0][pool as usize].insert(&mut self.blocks, r);
+        } else if next != NIL {
+            self.blocks[next as usize].prev = NIL;
+        }
+        m
+    }
+
+    /// Carve a mapped candidate out of its block and unmap it. On an unmap failure the
+    /// handle stays mapped as a standalone clean free block.
+    fn detach<D: Driver + ?Sized>(&mut self, d: &D, c: Cand) -> DriverResult<()> {
+        let m = self.carve(c.block, c.addr, c.size);
+        match self.drv(DriverOp::Unmap, || d.unmap(c.addr, c.size)) {
+            Ok(()) => {
+                self.vacate(m);
+                self.mapped.remove(&c.addr);
+                self.handles[c.hid as usize].as_mut().expect("handle").at = None;
+                self.va.free(c.addr, c.size);
+                self.stats.mapped.sub(c.size);
+                Ok(())
+            }
+            Err(e) => {
+                let pool = self.blocks[m as usize].pool as usize;
+                self.bins[0][pool].insert(&mut self.blocks, m);
+                Err(e)
+            }
+        }
+    }
+
+    /// Sort mapped candidates so that carving one never moves another to a new block:
+    /// within a block, from the highest address down.
+    fn carve_order(chosen: &mut [Cand]) {
+        chosen.sort_by_key(|c| (c.block != NIL, c.block, std::cmp::Reverse(c.addr)));
+    }
+
+    /// Unmap (if mapped) and release the given free handles.
+    fn release_cands<D: Driver + ?Sized>(&mut self, d: &D, mut chosen: Vec<Cand>) -> Result<u64> {
+        Self::carve_order(&mut chosen);
+        let mut released = 0;
+        for c in chosen {
+            if c.block == NIL {
+                self.unmapped.retain(|&h| h != c.hid);
+            } else {
+                self.detach(d, c)?;
+            }
+            self.release_handle(d, c.hid)?;
+            released += c.size;
+        }
+        Ok(released)
+    }
+
+    /// Build one new mapped run in `pool` from the `chosen` free handles (unmapping them
+    /// first) plus `create` new bytes. Any driver failure leaves every handle owned (mapped
+    /// where it was, or in `unmapped`) and the engine consistent.
+    fn build_span<D: Driver + ?Sized>(
+        &mut self,
+        d: &D,
+        mut chosen: Vec<Cand>,
+        create: u64,
+        pool: Pool,
+    ) -> Result<Grow> {
+        let _span = tracing::debug_span!("build_span", moved = chosen.len(), create, ?pool).entered();
+        // 1. Create the shortfall, in handles of at most max_handle bytes.
+        let mut fresh = Vec::new();
+        let mut left = create;
+        while left > 0 {
+            let sz = left.min(self.cfg.max_handle);
+            match self.drv(DriverOp::Create, || d.create(sz)) {
+                Ok(h) => {
+                    fresh.push(self.add_handle(h, sz));
+                    left -= sz;
+                }
+                Err(e) => {
+                    for hid in fresh {
+                        let _ = self.release_handle(d, hid);
+                    }
+                    if e.code == crate::driver::code::OUT_OF_MEMORY {
+                        tracing::warn!(%e, "driver out of memory below the allocator's capacity");
+                        return Ok(Grow::DriverOom);
+                    }
+                    return Err(e.into());
+                }
+            }
+        }
+        // 2. Unmap the chosen handles from wherever they sit.
+        Self::carve_order(&mut chosen);
+        let moved = chosen.iter().filter(|c| c.block != NIL).count() as u64;
+        let mut hids = Vec::with_capacity(chosen.len() + fresh.len());
+        for c in chosen {
+            if c.block == NIL {
+                self.unmapped.retain(|&h| h != c.hid);
+            } else if let Err(e) = self.detach(d, c) {
+                self.unmapped.extend(hids);
+                self.unmapped.extend(fresh);
+                return Err(e.into());
+            }
+            hids.push(c.hid);
+        }
+        hids.extend(fresh);
+        // 3. Map them side by side in fresh address space, then grant access once.
+        let total: u64 = hids.iter().map(|&h| self.hsize(h)).sum();
+        let base = match self.va_alloc(d, total) {
+            Ok(b) => b,
+            Err(e) => {
+                self.unmapped.extend(hids);
+                return Err(e);
+            }
+        };
+        let mut off = 0;
+        let mut done = Vec::with_capacity(hids.len());
+        for &hid in &hids {
+            let (h, size) = (self.hrec(hid).handle, self.hsize(hid));
+            if let Err(e) = self.drv(DriverOp::Map, || d.map(base + off, size, h)) {
+                self.rollback_span(d, base, total, &done);
+                self.unmapped.extend(hids);
+                return Err(e.into());
+            }
+            done.push((base + off, hid));
+            off += size;
+        }
+        if let Err(e) = self.drv(DriverOp::SetAccess, || d.set_access(base, total)) {
+            self.rollback_span(d, base, total, &done);
+            self.unmapped.extend(hids.iter().filter(|h| !self.quarantine.contains(h)));
+            return Err(e.into());
+        }
+        for (addr, hid) in done {
+            self.mapped.insert(addr, hid);
+            self.handles[hid as usize].as_mut().expect("handle").at = Some(addr);
+        }
+        self.stats.mapped.add(total);
+        if moved > 0 {
+            self.stats.stitches += 1;
+            self.stats.stitched_handles += moved;
+            tracing::debug!(moved, total, "stitched free handles into a new span");
+        }
+        let i = self.new_block(Block {
+            addr: base,
+            size: total,
+            prev: NIL,
+            next: NIL,
+            fprev: NIL,
+            fnext: NIL,
+            pool,
+            state: State::Free { owner: 0, seq: 0 },
+        });
+        self.bins[0][pool as usize].insert(&mut self.blocks, i);
+        Ok(Grow::Done)
+    }
+
+    /// Undo the maps of a span that failed to build; give back its address space. A handle
+    /// whose unmap fails too is quarantined (mapped, no access) and retried later.
+    fn rollback_span<D: Driver + ?Sized>(&mut self, d: &D, base: u64, total: u64, done: &[(u64, u32)]) {
+        let mut cursor = base;
+        for &(addr, hid) in done {
+            let size = self.hsize(hid);
+            if self.drv(DriverOp::Unmap, || d.unmap(addr, size)).is_err() {
+                tracing::error!(addr, size, "rollback unmap failed; handle quarantined");
+                self.handles[hid as usize].as_mut().expect("handle").at = Some(addr);
+                self.quarantine.push(hid);
+                if addr > cursor {
+                    self.va.free(cursor, addr - cursor);
+                }
+                cursor = addr + size;
+            }
+        }
+        if base + total > cursor {
+            self.va.free(cursor, base + total - cursor);
+        }
+    }
+
+    // ----- maintenance -----
+
+    /// Release every free handle (and retry quarantined ones). Returns bytes released.
+    pub(crate) fn empty_cache<D: Driver + ?Sized>(&mut self, d: &D) -> Result<u64> {
+        self.poll(d, false)?;
+        let mut released = self.retry_quarantine(d);
+        let cands = self.free_handles();
+        released += self.release_cands(d, cands)?;
+        tracing::debug!(released, "empty_cache");
+        Ok(released)
+    }
+
+    fn retry_quarantine<D: Driver + ?Sized>(&mut self, d: &D) -> u64 {
+        let mut released = 0;
+        for hid in std::mem::take(&mut self.quarantine) {
+            let (addr, size) = (self.hrec(hid).at.expect("quarantined is mapped"), self.hsize(hid));
+            if self.drv(DriverOp::Unmap, || d.unmap(addr, size)).is_err() {
+                self.quarantine.push(hid);
+                continue;
+            }
+            self.handles[hid as usize].as_mut().expect("handle").at = None;
+            self.va.free(addr, size);
+            if self.release_handle(d, hid).is_ok() {
+                released += size;
+            }
+        }
+        released
+    }
+
+    /// Give everything back to the driver. Returns (leaked allocations, their bytes).
+    pub(crate) fn teardown<D: Driver + ?Sized>(&mut self, d: &D) -> (u64, u64) {
+        let leaked = (self.live.len() as u64, self.stats.requested.current);
+        if let Err(e) = self.poll(d, true) {
+            tracing::error!(%e, "waiting for outstanding frees failed during teardown");
+        }
+        for k in 1..self.owners.len() {
+            if let Some((e, _)) = self.owners[k].fence.take() {
+                let _ = self.drv(DriverOp::DestroyEvent, || d.destroy_event(e));
+            }
+        }
+        for p in std::mem::take(&mut self.pending) {
+            for e in p.events {
+                let _ = self.drv(DriverOp::DestroyEvent, || d.destroy_event(e));
+            }
+        }
+        self.retry_quarantine(d);
+        for (addr, hid) in std::mem::take(&mut self.mapped) {
+            let size = self.hsize(hid);
+            match self.drv(DriverOp::Unmap, || d.unmap(addr, size)) {
+                Ok(()) => self.unmapped.push(hid),
+                Err(e) => tracing::error!(%e, addr, "unmap failed during teardown"),
+            }
+        }
+        for hid in std::mem::take(&mut self.unmapped) {
+            if let Err(e) = self.release_handle(d, hid) {
+                tracing::error!(%e, "release failed during teardown");
+            }
+        }
+        for (base, size) in self.va.take_reservations() {
+            if let Err(e) = self.drv(DriverOp::FreeReservation, || d.free_reservation(base, size)) {
+                tracing::error!(%e, base, "freeing a reservation failed during teardown");
+            }
+        }
+        self.blocks.clear();
+        self.vacant.clear();
+        self.live.clear();
+        self.extra.clear();
+        for b in &mut self.bins {
+            *b = Default::default();
+        }
+        self.shut_down = true;
+        leaked
+    }
+
+    // ----- reports -----
+
+    /// Ids of handles overlapped by a live or pending block.
+    fn live_handles(&self) -> Vec<bool> {
+        let mut holds = vec![false; self.handles.len()];
+        let busy = self
+            .live
+            .values()
+            .copied()
+            .chain(self.pending.iter().map(|p| p.block));
+        for i in busy {
+            let b = &self.blocks[i as usize];
+            let start = self
+                .mapped
+                .range(..=b.addr)
+                .next_back()
+                .map_or(b.addr, |(&a, _)| a);
+            for (_, &hid) in self.mapped.range(start..b.addr + b.size) {
+                holds[hid as usize] = true;
+            }
+        }
+        holds
+    }
+
+    pub(crate) fn detailed(&self) -> DetailedStats {
+        let holds = self.live_handles();
+        let mut live_handle_bytes = 0;
+        let mut free_handles = 0;
+        let mut free_handle_bytes = 0;
+        for (hid, h) in self.handles.iter().enumerate() {
+            if let Some(h) = h {
+                if holds[hid] {
+                    live_handle_bytes += h.size;
+                } else {
+                    free_handles += 1;
+                    free_handle_bytes += h.size;
+                }
+            }
+        }
+        let mut free_spans = 0;
+        let mut free_bytes = 0;
+        for bins in &self.bins {
+            for b in bins {
+                free_spans += b.count as u64;
+                free_bytes += b.bytes;
+            }
+        }
+        let largest = self
+            .bins
+            .iter()
+            .map(|b| b[Pool::Large as usize].largest(&self.blocks))
+            .max()
+            .unwrap_or(0);
+        let mut small_pages = 0;
+        let mut small_stranded = 0;
+        // Small pages: runs of the small pool. Count pages and their free bytes if live.
+        for b in &self.blocks {
+            if b.pool == Pool::Small && b.prev == NIL && b.state != State::Vacant {
+                small_pages += 1;
+                let mut i = Some(b);
+                let mut free = 0;
+                let mut any_live = false;
+                while let Some(x) = i {
+                    match x.state {
+                        State::Free { .. } => free += x.size,
+                        _ => any_live = true,
+                    }
+                    i = (x.next != NIL).then(|| &self.blocks[x.next as usize]);
+                }
+                if any_live {
+                    small_stranded += free;
+                }
+            }
+        }
+        let s = self.stats;
+        let stranded = live_handle_bytes
+            .saturating_sub(s.allocated.current)
+            .saturating_sub(s.pending_free);
+        DetailedStats {
+            stats: s,
+            capacity: self.cfg.capacity,
+            granularity: self.cfg.granularity,
+            free_spans,
+            free_bytes,
+            largest_free_span: largest,
+            free_handles,
+            free_handle_bytes,
+            live_handle_bytes,
+            stranded_bytes: stranded,
+            rounding_waste: s.allocated.current - s.requested.current,
+            small_pages,
+            small_stranded_bytes: small_stranded,
+            unmapped_handles: (self.unmapped.len() + self.quarantine.len()) as u64,
+            va_reserved: self.va.reserved(),
+            live_handle_ratio: if s.requested.current > 0 {
+                live_handle_bytes as f64 / s.requested.current as f64
+            } else {
+                0.0
+            },
+        }
+    }
+
+    fn oom_report(&self, requested: u64, rsize: u64, driver_oom: bool) -> OomReport {
+        let d = self.detailed();
+        OomReport {
+            requested,
+            rounded: rsize,
+            capacity: self.cfg.capacity,
+            reserved: self.stats.reserved.current,
+            live: self.stats.requested.current,
+            live_handle_bytes: d.live_handle_bytes,
+            stranded: d.stranded_bytes,
+            largest_free_span: d.largest_free_span,
+            driver_out_of_memory: driver_oom,
+        }
+    }
+
+    pub(crate) fn snapshot(&self) -> Snapshot {
+        let holds = self.live_handles();
+        let handles = self
+            .handles
+            .iter()
+            .enumerate()
+            .filter_map(|(hid, h)| {
+                h.as_ref().map(|h| HandleView {
+                    size: h.size,
+                    addr: h.at,
+                    holds_live: holds[hid],
+                })
+            })
+            .collect();
+        let mut heads: Vec<&Block> = self
+            .blocks
+            .iter()
+            .filter(|b| b.state != State::Vacant && b.prev == NIL)
+            .collect();
+        heads.sort_by_key(|b| b.addr);
+        let runs = heads
+            .into_iter()
+            .map(|mut b| {
+                let mut run = Vec::new();
+                loop {
+                    let (state, stream, requested) = match b.state {
+                        State::Live { requested, stream } => ("live", Some(stream.0), Some(requested)),
+                        State::Free { owner: 0, .. } => ("free", None, None),
+                        State::Free { owner, .. } => {
+                            ("dirty", Some(self.owners[owner as usize].stream.0), None)
+                        }
+                        State::Pending => ("pending", None, None),
+                        State::Vacant => unreachable!(),
+                    };
+                    run.push(BlockView {
+                        addr: b.addr,
+                        size: b.size,
+                        pool: b.pool,
+                        state,
+                        stream,
+                        requested,
+                    });
+                    if b.next == NIL {
+                        break;
+                    }
+                    b = &self.blocks[b.next as usize];
+                }
+                run
+            })
+            .collect();
+        Snapshot {
+            detailed: self.detailed(),
+            reservations: self.va.reservations.iter().map(|(&b, &s)| (b, s)).collect(),
+            handles,
+            runs,
+        }
+    }
+
+    /// Check every invariant of every structure. Slow: for tests, fuzzing and `paranoid`.
+    pub(crate) fn validate(&self) -> std::result::Result<(), String> {
+        let mut requested = 0;
+        let mut allocated = 0;
+        let mut live_count = 0;
+        let mut pending_bytes = 0;
+        let mut block_bytes = 0;
+        let mut spans = Vec::new();
+        let mut vacant = 0;
+        for (i, b) in self.blocks.iter().enumerate() {
+            let i = i as u32;
+            if b.state == State::Vacant {
+                vacant += 1;
+                continue;
+            }
+            if b.size == 0 || b.size % UNIT != 0 || b.addr % UNIT != 0 {
+                return Err(format!("block {i} has bad size/address {:#x}+{}", b.addr, b.size));
+            }
+            if b.prev != NIL {
+                let p = &self.blocks[b.prev as usize];
+                if p.state == State::Vacant || p.next != i || p.addr + p.size != b.addr || p.pool != b.pool {
+                    return Err(format!("block {i}: bad prev link"));
+                }
+            }
+            if b.next != NIL {
+                let n = &self.blocks[b.next as usize];
+                if n.state == State::Vacant || n.prev != i || b.addr + b.size != n.addr {
+                    return Err(format!("block {i}: bad next link"));
+                }
+            }
+            match b.state {
+                State::Free { owner, .. } => {
+                    if owner as usize >= self.owners.len() {
+                        return Err(format!("block {i}: unknown owner {owner}"));
+                    }
+                    for nb in [b.prev, b.next] {
+                        if nb != NIL {
+                            if let State::Free { owner: o2, .. } = self.blocks[nb as usize].state {
+                                if o2 == owner {
+                                    return Err(format!("block {i}: free neighbours with one owner not merged"));
+                                }
+                            }
+                        }
+                    }
+                }
+                State::Live { requested: r, .. } => {
+                    if self.live.get(&b.addr) != Some(&i) {
+                        return Err(format!("live block {i} missing from the live map"));
+                    }
+                    if r == 0 || round_up(r, UNIT) != b.size {
+                        return Err(format!("live block {i}: {} bytes for a {r}-byte request", b.size));
+                    }
+                    requested += r;
+                    allocated += b.size;
+                    live_count += 1;
+                }
+                State::Pending => {
+                    if !self.pending.iter().any(|p| p.block == i) {
+                        return Err(format!("pending block {i} is not in the pending list"));
+                    }
+                    pending_bytes += b.size;
+                }
+                State::Vacant => unreachable!(),
+            }
+            // The block lies in contiguously mapped handles (and in one handle if small).
+            let Some((&ha, &hid)) = self.mapped.range(..=b.addr).next_back() else {
+                return Err(format!("block {i} at {:#x} is not mapped", b.addr));
+            };
+            let mut end = ha + self.hsize(hid);
+            if end <= b.addr {
+                return Err(format!("block {i} at {:#x} is not mapped", b.addr));
+            }
+            if b.pool == Pool::Small && end < b.addr + b.size {
+                return Err(format!("small block {i} crosses a page boundary"));
+            }
+            while end < b.addr + b.size {
+                match self.mapped.get(&end) {
+                    Some(&h) => end += self.hsize(h),
+                    None => return Err(format!("block {i} spans an unmapped hole at {end:#x}")),
+                }
+            }
+            block_bytes += b.size;
+            spans.push((b.addr, b.size));
+        }
+        if vacant != self.vacant.len() {
+            return Err("vacant list disagrees with the arena".into());
+        }
+        spans.sort_unstable();
+        for w in spans.windows(2) {
+            if w[0].0 + w[0].1 > w[1].0 {
+                return Err(format!("blocks overlap at {:#x}", w[1].0));
+            }
+        }
+        if live_count != self.live.len() {
+            return Err("live map holds a block that is not live".into());
+        }
+        for (k, bins) in self.bins.iter().enumerate() {
+            for (p, b) in bins.iter().enumerate() {
+                b.validate(&self.blocks)?;
+                let mut list = Vec::new();
+                b.collect(&self.blocks, &mut list);
+                for i in list {
+                    let x = &self.blocks[i as usize];
+                    let ok = matches!(x.state, State::Free { owner, .. } if owner as usize == k)
+                        && x.pool as usize == p;
+                    if !ok {
+                        return Err(format!("block {i} is listed in bins[{k}][{p}] wrongly"));
+                    }
+                }
+            }
+        }
+        let listed: usize = self.bins.iter().flat_map(|b| b.iter()).map(|b| b.count).sum();
+        let free_blocks = self
+            .blocks
+            .iter()
+            .filter(|b| matches!(b.state, State::Free { .. }))
+            .count();
+        if listed != free_blocks {
+            return Err(format!("{free_blocks} free blocks but {listed} listed"));
+        }
+        // Handles and address space.
+        let mut reserved = 0;
+        let mut count = 0;
+        for h in self.handles.iter().flatten() {
+            reserved += h.size;
+            count += 1;
+        }
+        let mut mapped = 0;
+        let mut last_end = 0;
+        for (&a, &hid) in &self.mapped {
+            let h = self.handles[hid as usize]
+                .as_ref()
+                .ok_or_else(|| format!("mapped handle {hid} was released"))?;
+            if h.at != Some(a) {
+                return Err(format!("handle {hid} mapped at {a:#x} records {:?}", h.at));
+            }
+            if a < last_end {
+                return Err(format!("mappings overlap at {a:#x}"));
+            }
+            if !self.va.is_reserved(a, h.size) || self.va.overlaps_free(a, h.size) {
+                return Err(format!("mapping {a:#x} is outside reserved, used address space"));
+            }
+            last_end = a + h.size;
+            mapped += h.size;
+        }
+        for &hid in &self.unmapped {
+            if self.hrec(hid).at.is_some() {
+                return Err(format!("unmapped handle {hid} records an address"));
+            }
+        }
+        let quarantined: u64 = self.quarantine.iter().map(|&h| self.hsize(h)).sum();
+        if block_bytes != mapped {
+            return Err(format!("blocks cover {block_bytes} bytes but {mapped} are mapped"));
+        }
+        if count != self.mapped.len() + self.unmapped.len() + self.quarantine.len() {
+            return Err("a handle is neither mapped, unmapped nor quarantined".into());
+        }
+        self.va.validate()?;
+        if mapped + quarantined + self.va.free_bytes() != self.va.reserved() {
+            return Err("address space: mapped + free != reserved".into());
+        }
+        let s = &self.stats;
+        let checks = [
+            ("requested", s.requested.current, requested),
+            ("allocated", s.allocated.current, allocated),
+            ("live_allocations", s.live_allocations.current, live_count as u64),
+            ("pending_free", s.pending_free, pending_bytes),
+            ("reserved", s.reserved.current, reserved),
+            ("mapped", s.mapped.current, mapped),
+            ("handles", s.handles, count as u64),
+        ];
+        for (name, have, want) in checks {
+            if have != want {
+                return Err(format!("stats.{name} is {have}, the structures say {want}"));
+            }
+        }
+        if reserved > self.cfg.capacity {
+            return Err(format!("reserved {reserved} exceeds capacity {}", self.cfg.capacity));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,43 @@
+//! # stitch-alloc
+//!
+//! A GPU memory allocator that ends external fragmentation. It reserves a large virtual
+//! address range and backs it with physical handles (CUDA virtual memory management). When a
+//! request fits no free span, whole free handles are unmapped from wherever they sit and
+//! mapped side by side into one new contiguous span ("stitching"), so a request succeeds
+//! whenever enough free physical memory exists, anywhere. Live allocations never move.
+//!
+//! ```
+//! use stitch_alloc::{Allocator, Config, Stream};
+//! use stitch_alloc::driver::SimDriver;
+//!
+//! // A simulated 1 GiB device.
+//! let a = Allocator::new(SimDriver::with_capacity(1 << 30), Config::default()).unwrap();
+//! // Fill it with 100 MiB tensors, then free every other one: 500 MiB free, in holes.
+//! let ptrs: Vec<_> = (0..10).map(|_| a.alloc(100 << 20, Stream::DEFAULT).unwrap()).collect();
+//! for p in ptrs.iter().step_by(2) {
+//!     a.free(*p, Stream::DEFAULT).unwrap();
+//! }
+//! // A 500 MiB tensor still fits: the free handles are stitched into one span.
+//! let big = a.alloc(500 << 20, Stream::DEFAULT).unwrap();
+//! assert!(a.stats().stitches >= 1);
+//! # let _ = big;
+//! ```
+//!
+//! Layers: [`driver`] (the `Driver` trait and its backends: the only code that touches the
+//! OS or the GPU), the engine (pure data structures and algorithms), and [`Allocator`] (a
+//! lock around the engine). See `design/ARCHITECTURE.md`.
+#![deny(missing_docs)]
+
+mod allocator;
+mod config;
+pub mod driver;
+mod engine;
+mod error;
+pub mod stats;
+
+pub use allocator::{Allocator, Buffer, DevicePtr, ShutdownReport};
+pub use config::{Capacity, Config};
+pub use driver::{Driver, Stream};
+pub use engine::{BlockView, HandleView, Pool, Snapshot};
+pub use error::{AllocError, OomReport, Result};
+pub use stats::{DetailedStats, Stats};
