@@ -34,6 +34,7 @@ pub mod driver;
 mod engine;
 mod error;
 pub mod stats;
+pub mod testing;
 
 pub use allocator::{Allocator, Buffer, DevicePtr, ShutdownReport};
 pub use config::{Capacity, Config};

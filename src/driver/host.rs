@@ -151,9 +151,19 @@ impl HostDriver {
         self.state.lock().ledger.streams.complete(stream, upto)
     }
 
+    /// Whether simulated work `w` has completed.
+    pub fn work_done(&self, w: WorkId) -> bool {
+        self.state.lock().ledger.streams.is_done(w)
+    }
+
     /// Complete all simulated work.
     pub fn complete_all(&self) {
         self.state.lock().ledger.streams.complete_all()
+    }
+
+    /// Whether `[addr, addr+len)` is fully mapped with access set.
+    pub fn is_accessible(&self, addr: DevAddr, len: u64) -> bool {
+        self.state.lock().ledger.check_data(addr, len).is_ok()
     }
 
     /// Calls made so far, by kind.

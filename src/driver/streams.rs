@@ -134,6 +134,11 @@ impl StreamModel {
         })
     }
 
+    /// Whether work `w` has completed (unknown ids count as completed).
+    pub(crate) fn is_done(&self, w: WorkId) -> bool {
+        !self.streams.values().any(|s| s.work.iter().any(|x| x.id == w.0))
+    }
+
     /// Number of work items still in flight on all streams.
     pub(crate) fn in_flight_count(&self) -> usize {
         self.streams.values().map(|s| s.work.len()).sum()

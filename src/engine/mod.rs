@@ -697,9 +697,7 @@ impl Engine {
                     tracing::warn!(%err, "could not destroy a completed fence event");
                 }
                 self.migrate(k, covered);
-                if !wait {
-                    break;
-                }
+                // Frees after the fence are still dirty: go round and fence them too.
             }
         }
         let mut j = 0;
