@@ -576,6 +576,9 @@ impl Engine {
 
     /// Free the allocation at `ptr`, whose last use is on `stream`.
     pub(crate) fn free<D: Driver + ?Sized>(&mut self, d: &D, ptr: u64, stream: Stream) -> Result<()> {
+        if self.shut_down {
+            return Err(AllocError::ShutDown);
+        }
         let Some(&i) = self.live.get(&ptr) else {
             return Err(self.diagnose(ptr));
         };
@@ -632,6 +635,9 @@ impl Engine {
 
     /// Note that the live allocation at `ptr` is also used on `stream`.
     pub(crate) fn record_stream(&mut self, ptr: u64, stream: Stream) -> Result<()> {
+        if self.shut_down {
+            return Err(AllocError::ShutDown);
+        }
         let Some(&i) = self.live.get(&ptr) else {
             return Err(self.diagnose(ptr));
         };
@@ -1119,6 +1125,9 @@ impl Engine {
 
     /// Release every free handle (and retry quarantined ones). Returns bytes released.
     pub(crate) fn empty_cache<D: Driver + ?Sized>(&mut self, d: &D) -> Result<u64> {
+        if self.shut_down {
+            return Err(AllocError::ShutDown);
+        }
         self.poll(d, false)?;
         let mut released = self.retry_quarantine(d);
         let cands = self.free_handles();
@@ -1164,7 +1173,11 @@ impl Engine {
         for (addr, hid) in std::mem::take(&mut self.mapped) {
             let size = self.hsize(hid);
             match self.drv(DriverOp::Unmap, || d.unmap(addr, size)) {
-                Ok(()) => self.unmapped.push(hid),
+                Ok(()) => {
+                    self.handles[hid as usize].as_mut().expect("handle").at = None;
+                    self.stats.mapped.sub(size);
+                    self.unmapped.push(hid);
+                }
                 Err(e) => tracing::error!(%e, addr, "unmap failed during teardown"),
             }
         }
@@ -1185,6 +1198,12 @@ impl Engine {
         for b in &mut self.bins {
             *b = Default::default();
         }
+        // Leaked allocations are gone with their memory.
+        let s = &mut self.stats;
+        s.requested.current = 0;
+        s.allocated.current = 0;
+        s.live_allocations.current = 0;
+        s.pending_free = 0;
         self.shut_down = true;
         leaked
     }
