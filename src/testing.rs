@@ -138,7 +138,11 @@ impl Op {
                 0..=5 => {
                     let Some(v) = take(4, &mut bytes) else { break };
                     let bits = (v >> 24) % (max_bits + 1);
-                    let size = if bits == 0 { v & 1 } else { (1 << (bits - 1)) + (v & ((1 << (bits - 1)) - 1)) };
+                    let size = if bits == 0 {
+                        v & 1
+                    } else {
+                        (1 << (bits - 1)) + (v & ((1 << (bits - 1)) - 1))
+                    };
                     Op::Alloc {
                         size: size.min(max_size.saturating_add(1)),
                         stream: (tag >> 4) % STREAMS,
@@ -232,7 +236,9 @@ fn probe_points(size: u64) -> [(u64, usize); 3] {
 }
 
 fn pattern(seed: u64, off: u64, len: usize) -> Vec<u8> {
-    (0..len as u64).map(|i| mix(seed ^ (off + i)) as u8).collect()
+    (0..len as u64)
+        .map(|i| mix(seed ^ (off + i)) as u8)
+        .collect()
 }
 
 impl<T: TestDevice> Harness<T> {
@@ -434,7 +440,8 @@ impl<T: TestDevice> Harness<T> {
         self.alloc.validate()?;
         let s = self.alloc.stats();
         let requested: u64 = self.live.iter().map(|l| l.size).sum();
-        if s.requested.current != requested || s.live_allocations.current != self.live.len() as u64 {
+        if s.requested.current != requested || s.live_allocations.current != self.live.len() as u64
+        {
             return Err(format!(
                 "stats say {} bytes in {} allocations, the model {} in {}",
                 s.requested.current,
@@ -492,7 +499,8 @@ impl<T: TestDevice> Harness<T> {
     /// Run a whole sequence, then `finish`.
     pub fn run(mut self, ops: &[Op]) -> Result<RunCounts, String> {
         for (n, &op) in ops.iter().enumerate() {
-            self.apply(op).map_err(|e| format!("after op {n} {op:?}: {e}"))?;
+            self.apply(op)
+                .map_err(|e| format!("after op {n} {op:?}: {e}"))?;
         }
         self.finish()
     }

@@ -38,16 +38,31 @@ fn checkerboard_largest_allocation_is_all_free_memory() {
     let live_handles = a.detailed_stats().live_handle_bytes;
     let free = cap - live_handles;
     let before = d.calls();
-    let big = a.alloc(free, S0).expect("all free memory in one allocation");
+    let big = a
+        .alloc(free, S0)
+        .expect("all free memory in one allocation");
     let after = d.calls();
     assert_eq!(a.stats().stitches, 1);
     // One stitch moved every free handle: one unmap and one map each, one set_access.
     let moved = a.stats().stitched_handles;
     assert!(moved as usize >= ptrs.len() / 2 - 1);
-    assert_eq!(after.get(DriverOp::Unmap) - before.get(DriverOp::Unmap), moved);
-    assert_eq!(after.get(DriverOp::SetAccess) - before.get(DriverOp::SetAccess), 1);
-    assert_eq!(a.stats().reserved.current, cap, "every byte of the device is in use");
-    assert!(matches!(a.alloc(2 * MIB, S0), Err(AllocError::OutOfMemory(_))));
+    assert_eq!(
+        after.get(DriverOp::Unmap) - before.get(DriverOp::Unmap),
+        moved
+    );
+    assert_eq!(
+        after.get(DriverOp::SetAccess) - before.get(DriverOp::SetAccess),
+        1
+    );
+    assert_eq!(
+        a.stats().reserved.current,
+        cap,
+        "every byte of the device is in use"
+    );
+    assert!(matches!(
+        a.alloc(2 * MIB, S0),
+        Err(AllocError::OutOfMemory(_))
+    ));
     a.free(big, S0).unwrap();
 }
 
@@ -62,7 +77,11 @@ fn hot_path_makes_no_driver_call() {
             let p = a.alloc(size, S0).unwrap();
             a.free(p, S0).unwrap();
         }
-        assert_eq!(d.calls(), before, "size {size}: cached alloc+free called the driver");
+        assert_eq!(
+            d.calls(),
+            before,
+            "size {size}: cached alloc+free called the driver"
+        );
     }
     // The allocator's own count agrees with the device's.
     assert_eq!(a.stats().calls.total(), d.calls().total());
@@ -100,7 +119,10 @@ fn stream_rule_cross_stream_reuse_waits_for_the_fence() {
     a.free(q, s1).unwrap();
     // Another stream: must not get it while the work is in flight.
     let r = a.alloc(64 * MIB, s2).unwrap();
-    assert!(r.0 >= p.0 + 64 * MIB || r.0 + 64 * MIB <= p.0, "stream 2 got memory stream 1 still uses");
+    assert!(
+        r.0 >= p.0 + 64 * MIB || r.0 + 64 * MIB <= p.0,
+        "stream 2 got memory stream 1 still uses"
+    );
     assert!(!d.work_done(w));
     a.free(r, s2).unwrap();
     d.complete(s1, None);
@@ -120,7 +142,10 @@ fn stitching_never_unmaps_memory_in_use() {
     // 256 MiB free in two holes, one still in use by stream 1: stitching them needs the
     // fence; the allocator waits for it (the simulated device runs the work), then remaps.
     let big = a.alloc(256 * MIB, Stream(2)).unwrap();
-    assert!(d.work_done(w), "the allocator waited for the work before unmapping");
+    assert!(
+        d.work_done(w),
+        "the allocator waited for the work before unmapping"
+    );
     assert!(a.stats().event_waits >= 1);
     assert!(a.stats().stitches >= 1);
     a.free(big, Stream(2)).unwrap();
@@ -138,7 +163,10 @@ fn record_stream_delays_reuse_until_both_streams_finish() {
     a.free(p, s1).unwrap();
     assert_eq!(a.stats().pending_free, 64 * MIB);
     let q = a.alloc(64 * MIB, s1).unwrap();
-    assert_ne!(q, p, "stream 2 still uses it: not even stream 1 may reuse it");
+    assert_ne!(
+        q, p,
+        "stream 2 still uses it: not even stream 1 may reuse it"
+    );
     d.complete(s2, Some(w));
     a.free(q, s1).unwrap();
     let r = a.alloc(a.capacity(), s1).unwrap();
@@ -150,20 +178,41 @@ fn record_stream_delays_reuse_until_both_streams_finish() {
 fn bad_input_gets_typed_errors_and_leaves_the_allocator_consistent() {
     let (_d, a) = sim(GIB);
     assert_eq!(a.alloc(0, S0), Err(AllocError::ZeroSize));
-    assert!(matches!(a.alloc(GIB + 1, S0), Err(AllocError::TooLarge { .. })));
-    assert!(matches!(a.alloc(u64::MAX, S0), Err(AllocError::TooLarge { .. })));
-    assert!(matches!(a.alloc(u64::MAX - 511, S0), Err(AllocError::TooLarge { .. })));
+    assert!(matches!(
+        a.alloc(GIB + 1, S0),
+        Err(AllocError::TooLarge { .. })
+    ));
+    assert!(matches!(
+        a.alloc(u64::MAX, S0),
+        Err(AllocError::TooLarge { .. })
+    ));
+    assert!(matches!(
+        a.alloc(u64::MAX - 511, S0),
+        Err(AllocError::TooLarge { .. })
+    ));
     let p = a.alloc(10 * MIB, S0).unwrap();
-    assert!(matches!(a.free(DevicePtr(12345), S0), Err(AllocError::InvalidPointer { .. })));
-    assert!(matches!(a.free(DevicePtr(0), S0), Err(AllocError::InvalidPointer { .. })));
-    assert!(matches!(a.free(DevicePtr(u64::MAX), S0), Err(AllocError::InvalidPointer { .. })));
+    assert!(matches!(
+        a.free(DevicePtr(12345), S0),
+        Err(AllocError::InvalidPointer { .. })
+    ));
+    assert!(matches!(
+        a.free(DevicePtr(0), S0),
+        Err(AllocError::InvalidPointer { .. })
+    ));
+    assert!(matches!(
+        a.free(DevicePtr(u64::MAX), S0),
+        Err(AllocError::InvalidPointer { .. })
+    ));
     assert!(matches!(
         a.free(DevicePtr(p.0 + 512), S0),
         Err(AllocError::InvalidPointer { reason, .. }) if reason.contains("inside a live")
     ));
     a.free(p, S0).unwrap();
     assert_eq!(a.free(p, S0), Err(AllocError::DoubleFree { ptr: p.0 }));
-    assert!(matches!(a.record_stream(p, Stream(3)), Err(AllocError::DoubleFree { .. })));
+    assert!(matches!(
+        a.record_stream(p, Stream(3)),
+        Err(AllocError::DoubleFree { .. })
+    ));
     a.validate().unwrap();
     a.shutdown();
     assert_eq!(a.alloc(10, S0), Err(AllocError::ShutDown));
@@ -175,7 +224,9 @@ fn oom_report_diagnoses_and_allocator_keeps_working() {
     let (_d, a) = sim(GIB);
     let p = a.alloc(700 * MIB, S0).unwrap();
     let e = a.alloc(400 * MIB, S0).unwrap_err();
-    let AllocError::OutOfMemory(r) = &e else { panic!("{e}") };
+    let AllocError::OutOfMemory(r) = &e else {
+        panic!("{e}")
+    };
     assert_eq!(r.requested, 400 * MIB);
     assert_eq!(r.capacity, GIB);
     assert_eq!(r.live, 700 * MIB);
@@ -196,7 +247,10 @@ fn driver_out_of_memory_below_capacity_is_reported() {
     let a = Allocator::new(d.clone(), cfg.with_paranoid(true)).unwrap();
     let p = a.alloc(200 * MIB, S0).unwrap();
     let e = a.alloc(200 * MIB, S0).unwrap_err();
-    assert!(matches!(&e, AllocError::OutOfMemory(r) if r.driver_out_of_memory), "{e}");
+    assert!(
+        matches!(&e, AllocError::OutOfMemory(r) if r.driver_out_of_memory),
+        "{e}"
+    );
     a.free(p, S0).unwrap();
     let q = a.alloc(250 * MIB, S0).unwrap();
     a.free(q, S0).unwrap();
@@ -208,7 +262,9 @@ fn driver_out_of_memory_below_capacity_is_reported() {
 fn empty_cache_releases_free_handles_and_drop_leaks_nothing() {
     let (d, a) = sim(4 * GIB);
     let keep = a.alloc(3 * MIB, S0).unwrap();
-    let ps: Vec<_> = (0..5).map(|i| a.alloc((i + 1) * 50 * MIB, S0).unwrap()).collect();
+    let ps: Vec<_> = (0..5)
+        .map(|i| a.alloc((i + 1) * 50 * MIB, S0).unwrap())
+        .collect();
     for p in ps {
         a.free(p, S0).unwrap();
     }
@@ -225,7 +281,11 @@ fn empty_cache_releases_free_handles_and_drop_leaks_nothing() {
 #[test]
 fn stitching_off_is_a_plain_caching_allocator() {
     let d = Arc::new(SimDriver::with_capacity(GIB));
-    let a = Allocator::new(d.clone(), Config::default().with_stitching(false).with_paranoid(true)).unwrap();
+    let a = Allocator::new(
+        d.clone(),
+        Config::default().with_stitching(false).with_paranoid(true),
+    )
+    .unwrap();
     let ps: Vec<_> = (0..8).map(|_| a.alloc(128 * MIB, S0).unwrap()).collect();
     for p in ps.iter().step_by(2) {
         a.free(*p, S0).unwrap();
@@ -257,7 +317,8 @@ fn handle_size_knobs_bound_handle_sizes() {
 #[test]
 fn bad_config_is_refused() {
     let d = SimDriver::with_capacity(GIB);
-    let e = Allocator::new(d, Config::default().with_capacity(Capacity::Fraction(1.5))).unwrap_err();
+    let e =
+        Allocator::new(d, Config::default().with_capacity(Capacity::Fraction(1.5))).unwrap_err();
     assert!(matches!(e, AllocError::Config(_)));
     let d = SimDriver::with_capacity(GIB);
     let e = Allocator::new(d, Config::default().with_handle_sizes(3 * MIB, 0)).unwrap_err();
@@ -272,14 +333,22 @@ fn host_backend_keeps_bytes_across_stitching() {
     let dev = HostDriver::with_capacity(256 * MIB).unwrap();
     let mut h = Harness::new(dev, Config::default()).unwrap();
     for _ in 0..8 {
-        h.apply(Op::Alloc { size: 30 * MIB, stream: 0 }).unwrap();
+        h.apply(Op::Alloc {
+            size: 30 * MIB,
+            stream: 0,
+        })
+        .unwrap();
     }
     for i in 0..4 {
         h.apply(Op::Free { pick: i }).unwrap();
     }
     // 120 MiB free in holes between live ones: a 100 MiB request stitches; the harness
     // checks every live allocation's bytes after each step.
-    h.apply(Op::Alloc { size: 100 * MIB, stream: 0 }).unwrap();
+    h.apply(Op::Alloc {
+        size: 100 * MIB,
+        stream: 0,
+    })
+    .unwrap();
     assert!(h.alloc.stats().stitches >= 1);
     let counts = h.finish().unwrap();
     assert_eq!(counts.allocs, 9);
@@ -301,9 +370,14 @@ fn random_runs_exercise_stitching_and_oom() {
         let mut h = Harness::new(SimDriver::with_capacity(512 * MIB), Config::default()).unwrap();
         for _ in 0..300 {
             let op = if next() % 2 == 0 {
-                Op::Alloc { size: next() % (96 * MIB) + 1, stream: 0 }
+                Op::Alloc {
+                    size: next() % (96 * MIB) + 1,
+                    stream: 0,
+                }
             } else {
-                Op::Free { pick: next() as u32 }
+                Op::Free {
+                    pick: next() as u32,
+                }
             };
             h.apply(op).unwrap();
         }
