@@ -42,3 +42,8 @@ pub use driver::{Driver, Stream};
 pub use engine::{BlockView, HandleView, Pool, Snapshot};
 pub use error::{AllocError, OomReport, Result};
 pub use stats::{DetailedStats, Stats};
+
+/// The README's Rust example, compiled and run as a doc test.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
