@@ -877,6 +877,17 @@ impl Engine {
             };
             return self.build_span(d, vec![c], 0, Pool::Small);
         }
+        // A free page-sized handle is reused where it sits: no driver call, no new memory.
+        let cands = self.free_handles();
+        let smallest = cands
+            .iter()
+            .filter(|c| c.block != NIL)
+            .min_by_key(|c| c.size)
+            .copied();
+        if let Some(c) = smallest.filter(|c| c.size <= page) {
+            self.retag_small(c);
+            return Ok(Grow::Done);
+        }
         let headroom = self.headroom();
         if headroom >= g {
             let r = self.build_span(d, Vec::new(), page.min(headroom / g * g), Pool::Small)?;
@@ -884,24 +895,23 @@ impl Engine {
                 return Ok(r);
             }
         }
-        // Reuse the smallest free handle where it is: no driver call.
-        let cands = self.free_handles();
-        if let Some(c) = cands
-            .iter()
-            .filter(|c| c.block != NIL)
-            .min_by_key(|c| c.size)
-            .copied()
-        {
-            let m = self.carve(c.block, c.addr, c.size);
-            self.blocks[m as usize].pool = Pool::Small;
-            self.bins[0][Pool::Small as usize].insert(&mut self.blocks, m);
-            tracing::debug!(size = c.size, "free handle retagged as a small page");
+        // At the capacity: a larger free handle becomes a (larger) small page.
+        if let Some(c) = smallest {
+            self.retag_small(c);
             return Ok(Grow::Done);
         }
         if let Some(c) = cands.first().copied() {
             return self.build_span(d, vec![c], 0, Pool::Small);
         }
         Ok(Grow::Short)
+    }
+
+    /// Turn a free mapped handle into a small page where it sits.
+    fn retag_small(&mut self, c: Cand) {
+        let m = self.carve(c.block, c.addr, c.size);
+        self.blocks[m as usize].pool = Pool::Small;
+        self.bins[0][Pool::Small as usize].insert(&mut self.blocks, m);
+        tracing::debug!(size = c.size, "free handle reused as a small page");
     }
 
     /// Cut the handle at `[haddr, haddr+hsize)` out of clean free block `b`, which contains
