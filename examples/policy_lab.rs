@@ -128,11 +128,12 @@ fn run(cfg: Config, seed: u64) {
         + c.get(DriverOp::Create) as f64 * 15.0
         + c.get(DriverOp::Release) as f64 * 20.0;
     println!(
-        "events {events} fails {fails} peak_live {:.2} GiB peak_reserved {:.2} GiB ratio {:.4} stitches {} moved {} created {} maps {} modeled {:.3} s",
+        "events {events} fails {fails} peak_live {:.2} GiB peak_reserved {:.2} GiB ratio {:.4} stitches {} ext {} moved {} created {} maps {} modeled {:.3} s",
         peak_live as f64 / (1u64 << 30) as f64,
         st.reserved.peak as f64 / (1u64 << 30) as f64,
         st.reserved.peak as f64 / st.requested.peak as f64,
         st.stitches,
+        st.extensions,
         st.stitched_handles,
         st.handles_created,
         c.get(DriverOp::Map),
@@ -142,12 +143,28 @@ fn run(cfg: Config, seed: u64) {
 
 fn main() {
     let only: Option<u64> = std::env::var("LAB_MAX").ok().map(|v| v.parse().unwrap());
-    for (min, max) in [(0, 2 * MIB), (0, 32 * MIB), (0, 256 * MIB), (0, 1 << 30), (0, 4 << 30)] {
+    let slacks: Vec<f64> = std::env::var("LAB_SLACK")
+        .map(|v| v.split(',').map(|x| x.parse().unwrap()).collect())
+        .unwrap_or_else(|_| vec![0.0, 0.01]);
+    for (min, max) in [
+        (0, 2 * MIB),
+        (0, 32 * MIB),
+        (0, 256 * MIB),
+        (0, 1 << 30),
+        (0, 4 << 30),
+    ] {
         if only.is_some_and(|o| o != max) {
             continue;
         }
-        print!("min {min:>9} max {max:>11}: ");
-        run(Config::default().with_handle_sizes(min, max), 1);
+        for &slack in &slacks {
+            print!("max {:>5} MiB slack {slack:<5}: ", max >> 20);
+            run(
+                Config::default()
+                    .with_handle_sizes(min, max)
+                    .with_reserve_slack(slack),
+                1,
+            );
+        }
     }
     if only.is_some() {
         return;

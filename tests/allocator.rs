@@ -42,10 +42,12 @@ fn checkerboard_largest_allocation_is_all_free_memory() {
         .alloc(free, S0)
         .expect("all free memory in one allocation");
     let after = d.calls();
-    assert_eq!(a.stats().stitches, 1);
-    // One stitch moved every free handle: one unmap and one map each, one set_access.
-    let moved = a.stats().stitched_handles;
-    assert!(moved as usize >= ptrs.len() / 2 - 1);
+    // One slow path moved the free handles (all but those of the hole it grew in place):
+    // one unmap and one map each, one set_access for the lot.
+    let st = a.stats();
+    assert_eq!(st.stitches, 1);
+    let moved = st.stitched_handles;
+    assert!(moved as usize + 1 >= ptrs.len() / 2 - 1, "{st:?}");
     assert_eq!(
         after.get(DriverOp::Unmap) - before.get(DriverOp::Unmap),
         moved
