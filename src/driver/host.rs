@@ -209,7 +209,7 @@ impl Driver for HostDriver {
             return Err(os_error(DriverOp::Reserve, "mmap(PROT_NONE) reservation"));
         }
         let raw = p as u64;
-        let base = (raw + g - 1) / g * g;
+        let base = raw.div_ceil(g) * g;
         // Trim the unaligned head and the tail so exactly [base, base+size) stays reserved.
         // SAFETY: both pieces lie inside the mapping just made and belong to no one else.
         unsafe {

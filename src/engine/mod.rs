@@ -798,10 +798,7 @@ impl Engine {
         }
         while left > 0 && !cands.is_empty() {
             // cands is sorted by size, descending: the tightest fit is the last that fits.
-            let pick = match cands.iter().rposition(|c| c.size >= left) {
-                Some(p) => p,
-                None => 0,
-            };
+            let pick = cands.iter().rposition(|c| c.size >= left).unwrap_or_default();
             let c = cands.remove(pick);
             left = left.saturating_sub(c.size);
             chosen.push(c);
