@@ -24,11 +24,12 @@
 //! ```
 //!
 //! Layers: [`driver`] (the `Driver` trait and its backends: the only code that touches the
-//! OS or the GPU), the engine (pure data structures and algorithms), and [`Allocator`] (a
-//! lock around the engine). See `design/ARCHITECTURE.md`.
+//! OS or the GPU; [`AnyDriver`] picks one at run time), the engine (pure data structures and
+//! algorithms), and [`Allocator`] (a lock around the engine). See `design/ARCHITECTURE.md`.
 #![deny(missing_docs)]
 
 mod allocator;
+mod backend;
 mod config;
 pub mod driver;
 mod engine;
@@ -37,8 +38,9 @@ pub mod stats;
 pub mod testing;
 
 pub use allocator::{Allocator, Buffer, DevicePtr, ShutdownReport};
+pub use backend::{AnyDriver, BackendError};
 pub use config::{Capacity, Config};
-pub use driver::{Driver, Stream};
+pub use driver::{CudaDriver, Driver, Stream};
 pub use engine::{BlockView, HandleView, Pool, Snapshot};
 pub use error::{AllocError, OomReport, Result};
 pub use stats::{DetailedStats, Stats};
