@@ -66,11 +66,7 @@ impl StreamModel {
     /// Whether `ev` has completed; `None` for an unknown event.
     pub(crate) fn query(&self, ev: EventId) -> Option<bool> {
         let &(stream, seq) = self.events.get(&ev.0)?;
-        Some(
-            self.streams
-                .get(&stream)
-                .map_or(true, |s| s.completed >= seq),
-        )
+        Some(self.streams.get(&stream).is_none_or(|s| s.completed >= seq))
     }
 
     /// Wait for `ev`: the simulated device runs the stream up to the event. `None` if unknown.

@@ -632,7 +632,7 @@ impl Engine {
             unreachable!("live map points at a block that is not live")
         };
         let extra = self.extra.get(&i);
-        let single = stream == s0 && extra.map_or(true, |v| v.iter().all(|&s| s == s0));
+        let single = stream == s0 && extra.is_none_or(|v| v.iter().all(|&s| s == s0));
         let size = self.blocks[i as usize].size;
         if single {
             let o = self.owner_for(s0);
