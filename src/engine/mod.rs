@@ -316,6 +316,7 @@ impl Engine {
         match self.drv(DriverOp::Release, || d.release(h)) {
             Ok(()) => {
                 let size = self.hsize(hid);
+                tracing::debug!(size, "released a handle");
                 self.handles[hid as usize] = None;
                 self.free_hids.push(hid);
                 self.stats.reserved.sub(size);
@@ -1148,6 +1149,7 @@ impl Engine {
             let sz = left.min(self.cfg.max_handle);
             match self.drv(DriverOp::Create, || d.create(sz)) {
                 Ok(h) => {
+                    tracing::debug!(size = sz, "created a handle");
                     fresh.push(self.add_handle(h, sz));
                     left -= sz;
                 }
