@@ -161,7 +161,7 @@ fn main() {
             run(
                 Config::default()
                     .with_handle_sizes(min, max)
-                    .with_reserve_slack(slack),
+                    .with_reserve_slack(slack, 0),
                 1,
             );
         }

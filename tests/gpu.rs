@@ -22,7 +22,10 @@ fn gpu(test: &str) -> Option<CudaDriver> {
         // is visible in every run, not only in failing ones.
         use std::io::Write;
         let why = CudaDriver::unavailable_reason().unwrap_or_default();
-        let _ = writeln!(std::io::stderr(), "SKIPPED (no CUDA device): {test} ({why})");
+        let _ = writeln!(
+            std::io::stderr(),
+            "SKIPPED (no CUDA device): {test} ({why})"
+        );
         return None;
     }
     let d = CudaDriver::new(0).expect("CUDA is available but device 0 did not open");

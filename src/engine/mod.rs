@@ -523,13 +523,15 @@ impl Engine {
     }
 
     /// Whether creating memory for a request of `size` bytes stays within the capacity and
-    /// the growth budget `(1 + reserve_slack) * max(peak live, live + size)`.
+    /// the growth budget: `L + max(reserve_slack * L, reserve_slack_min)` where
+    /// `L = max(peak live, live + size)`.
     fn may_create(&self, size: u64) -> bool {
         let need = round_up(size, self.cfg.granularity);
         let s = &self.stats;
         let after = s.reserved.current + need;
         let live = s.requested.peak.max(s.requested.current + size);
-        after <= self.cfg.capacity && after as f64 <= live as f64 * (1.0 + self.cfg.reserve_slack)
+        let slack = (live as f64 * self.cfg.reserve_slack) as u64;
+        after <= self.cfg.capacity && after <= live + slack.max(self.cfg.reserve_slack_min)
     }
 
     fn alloc_slow<D: Driver + ?Sized>(
