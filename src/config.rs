@@ -35,8 +35,9 @@ pub struct Config {
     /// Smallest handle created for a large request (default: the granularity). Larger values
     /// make fewer, larger handles for mid-sized requests.
     pub min_handle: u64,
-    /// Largest single handle; a larger need is built from several (default 1 GiB). Smaller
-    /// values strand less memory but cost more driver calls per stitch.
+    /// Largest single handle; a larger need is built from several (default 128 MiB). Smaller
+    /// values strand less memory but cost more driver calls per stitch (see
+    /// `design/ARCHITECTURE.md`, section 4.4, for the measured trade-off).
     pub max_handle: u64,
     /// Remap free handles into contiguous spans when no free span fits (default on). Off
     /// gives a plain caching allocator on VMM that releases and re-creates instead.
@@ -65,7 +66,7 @@ impl Default for Config {
             small_threshold: 1 << 20,
             small_page: 0,
             min_handle: 0,
-            max_handle: 1 << 30,
+            max_handle: 128 << 20,
             stitching: true,
             reserve_slack: 0.01,
             reserve_slack_min: 256 << 20,

@@ -393,17 +393,46 @@ impl Engine {
 
     /// Hand out `rsize` bytes from the start of free block `i`.
     #[inline]
-    fn take(&mut self, i: u32, rsize: u64, requested: u64, stream: Stream) -> u64 {
+    fn take(&mut self, mut i: u32, rsize: u64, requested: u64, stream: Stream) -> u64 {
         let (owner, seq) = match self.blocks[i as usize].state {
             State::Free { owner, seq } => (owner, seq),
             _ => unreachable!("take of a block that is not free"),
         };
         let pool = self.blocks[i as usize].pool;
         self.bins[owner as usize][pool as usize].remove(&mut self.blocks, i);
-        let (addr, size, next) = {
+        let (mut addr, mut size, mut next) = {
             let b = &self.blocks[i as usize];
             (b.addr, b.size, b.next)
         };
+        let off = if pool == Pool::Large && size > rsize {
+            self.placement(addr, size, rsize)
+        } else {
+            0
+        };
+        if off > 0 {
+            // The piece in front stays free as block `i`; the allocation starts a new block.
+            let j = self.new_block(Block {
+                addr: addr + off,
+                size: size - off,
+                prev: i,
+                next,
+                fprev: NIL,
+                fnext: NIL,
+                pool,
+                state: State::Free { owner, seq },
+            });
+            if next != NIL {
+                self.blocks[next as usize].prev = j;
+            }
+            let b = &mut self.blocks[i as usize];
+            b.next = j;
+            b.size = off;
+            self.bins[owner as usize][pool as usize].insert(&mut self.blocks, i);
+            i = j;
+            addr += off;
+            size -= off;
+            next = self.blocks[j as usize].next;
+        }
         if size > rsize {
             let r = self.new_block(Block {
                 addr: addr + rsize,
@@ -431,6 +460,55 @@ impl Engine {
         s.live_allocations.add(1);
         s.allocs += 1;
         addr
+    }
+
+    /// Where to put `rsize` bytes inside the free block `[a, a+size)` (an offset): the place
+    /// that leaves the fewest bytes of wholly free handles stranded (pinned by the new
+    /// allocation but not used by it). Candidates: either end of the block, and every handle
+    /// boundary inside it as the allocation's start or end. Ties keep the block's start.
+    fn placement(&self, a: u64, size: u64, rsize: u64) -> u64 {
+        const MAX: usize = 32;
+        let e = a + size;
+        let first = self.mapped.range(..=a).next_back().map_or(a, |(&h, _)| h);
+        let mut hs = [(0u64, 0u64); MAX];
+        let mut n = 0;
+        for (&ha, &hid) in self.mapped.range(first..e) {
+            if n == MAX {
+                return 0; // many small handles: stranding is small anyway
+            }
+            hs[n] = (ha, ha + self.hsize(hid));
+            n += 1;
+        }
+        if n <= 1 {
+            return 0;
+        }
+        let hs = &hs[..n];
+        let cost = |p: u64| -> u64 {
+            let q = p + rsize;
+            hs.iter()
+                .filter(|h| h.0 >= a && h.1 <= e && h.0 < q && p < h.1)
+                .map(|h| (h.1 - h.0) - (h.1.min(q) - h.0.max(p)))
+                .sum()
+        };
+        let mut best = (cost(a), a);
+        let mut consider = |p: u64| {
+            if p >= a && p + rsize <= e && p % UNIT == 0 {
+                let c = cost(p);
+                if c < best.0 {
+                    best = (c, p);
+                }
+            }
+        };
+        consider(e - rsize);
+        for h in hs {
+            for x in [h.0, h.1] {
+                consider(x);
+                if x >= rsize {
+                    consider(x - rsize);
+                }
+            }
+        }
+        best.1 - a
     }
 
     /// Merge free block `i` (not in any list) with same-owner free neighbours, then list it.
