@@ -173,6 +173,8 @@ pub(crate) struct Engine {
     /// `bins[owner][pool]` holds exactly the free blocks with that owner and pool.
     bins: Vec<[Bins; 2]>,
     pending: Vec<PendingFree>,
+    /// Completed events whose destroy failed; retried on later slow paths and at teardown.
+    zombies: Vec<EventId>,
     /// Extra streams that used a live block (`record_stream`).
     extra: FxHashMap<u32, Vec<Stream>>,
     handles: Vec<Option<HandleRec>>,
@@ -207,6 +209,7 @@ impl Engine {
             }],
             bins: vec![Default::default()],
             pending: Vec::new(),
+            zombies: Vec::new(),
             extra: FxHashMap::default(),
             handles: Vec::new(),
             free_hids: Vec::new(),
@@ -736,7 +739,7 @@ impl Engine {
                     Ok(e) => events.push(e),
                     Err(err) => {
                         for e in events {
-                            let _ = self.drv(DriverOp::DestroyEvent, || d.destroy_event(e));
+                            self.destroy_event(d, e);
                         }
                         return Err(err.into());
                     }
@@ -778,6 +781,21 @@ impl Engine {
 
     // ----- fences -----
 
+    /// Destroy an event; if the driver refuses, keep it to retry later (never leak it).
+    fn destroy_event<D: Driver + ?Sized>(&mut self, d: &D, e: EventId) {
+        if let Err(err) = self.drv(DriverOp::DestroyEvent, || d.destroy_event(e)) {
+            tracing::warn!(%err, "could not destroy an event; will retry");
+            self.zombies.push(e);
+        }
+    }
+
+    /// Retry destroying events whose destroy failed before.
+    fn retry_zombies<D: Driver + ?Sized>(&mut self, d: &D) {
+        for e in std::mem::take(&mut self.zombies) {
+            self.destroy_event(d, e);
+        }
+    }
+
     /// Move owner `k`'s free blocks with `seq <= covered` to the clean pool.
     fn migrate(&mut self, k: usize, covered: u64) {
         let mut list = Vec::new();
@@ -799,6 +817,12 @@ impl Engine {
     /// Fence streams with unfenced frees, and make clean whatever has completed. With
     /// `wait`, block until every free so far is clean.
     fn poll<D: Driver + ?Sized>(&mut self, d: &D, wait: bool) -> Result<()> {
+        if !self.zombies.is_empty() {
+            self.retry_zombies(d);
+        }
+        if !self.quarantine.is_empty() {
+            self.retry_quarantine(d);
+        }
         for k in 1..self.owners.len() {
             loop {
                 let dirty = self.bins[k][0].count + self.bins[k][1].count > 0;
@@ -822,9 +846,7 @@ impl Engine {
                     break;
                 }
                 self.owners[k].fence = None;
-                if let Err(err) = self.drv(DriverOp::DestroyEvent, || d.destroy_event(e)) {
-                    tracing::warn!(%err, "could not destroy a completed fence event");
-                }
+                self.destroy_event(d, e);
                 self.migrate(k, covered);
                 // Frees after the fence are still dirty: go round and fence them too.
             }
@@ -849,9 +871,7 @@ impl Engine {
             if all {
                 let p = self.pending.swap_remove(j);
                 for e in p.events {
-                    if let Err(err) = self.drv(DriverOp::DestroyEvent, || d.destroy_event(e)) {
-                        tracing::warn!(%err, "could not destroy a completed event");
-                    }
+                    self.destroy_event(d, e);
                 }
                 let size = self.blocks[p.block as usize].size;
                 self.stats.pending_free -= size;
@@ -1294,7 +1314,8 @@ impl Engine {
             let (h, size) = (self.hrec(hid).handle, self.hsize(hid));
             if let Err(e) = self.drv(DriverOp::Map, || d.map(base + off, size, h)) {
                 self.rollback_span(d, base, total, &done);
-                self.unmapped.extend(hids);
+                self.unmapped
+                    .extend(hids.iter().filter(|h| !self.quarantine.contains(h)));
                 return Err(e.into());
             }
             done.push((base + off, hid));
@@ -1377,15 +1398,16 @@ impl Engine {
             return Err(AllocError::ShutDown);
         }
         self.poll(d, false)?;
-        let mut released = self.retry_quarantine(d);
+        self.retry_quarantine(d);
         let cands = self.free_handles();
-        released += self.release_cands(d, cands)?;
+        let released = self.release_cands(d, cands)?;
         tracing::debug!(released, "empty_cache");
         Ok(released)
     }
 
-    fn retry_quarantine<D: Driver + ?Sized>(&mut self, d: &D) -> u64 {
-        let mut released = 0;
+    /// Retry unmapping quarantined handles; those that succeed become ordinary unmapped
+    /// handles, usable by the next stitch (or released by `empty_cache`).
+    fn retry_quarantine<D: Driver + ?Sized>(&mut self, d: &D) {
         for hid in std::mem::take(&mut self.quarantine) {
             let (addr, size) = (
                 self.hrec(hid).at.expect("quarantined is mapped"),
@@ -1397,11 +1419,8 @@ impl Engine {
             }
             self.handles[hid as usize].as_mut().expect("handle").at = None;
             self.va.free(addr, size);
-            if self.release_handle(d, hid).is_ok() {
-                released += size;
-            }
+            self.unmapped.push(hid);
         }
-        released
     }
 
     /// Give everything back to the driver. Returns (leaked allocations, their bytes).
@@ -1412,14 +1431,15 @@ impl Engine {
         }
         for k in 1..self.owners.len() {
             if let Some((e, _)) = self.owners[k].fence.take() {
-                let _ = self.drv(DriverOp::DestroyEvent, || d.destroy_event(e));
+                self.destroy_event(d, e);
             }
         }
         for p in std::mem::take(&mut self.pending) {
             for e in p.events {
-                let _ = self.drv(DriverOp::DestroyEvent, || d.destroy_event(e));
+                self.destroy_event(d, e);
             }
         }
+        self.retry_zombies(d);
         self.retry_quarantine(d);
         for (addr, hid) in std::mem::take(&mut self.mapped) {
             let size = self.hsize(hid);
