@@ -127,7 +127,7 @@ fn run(cfg: Config, seed: u64) {
                     rows.push((free, hsz, live, lives));
                 }
             }
-            rows.sort_by(|a, b| b.0.cmp(&a.0));
+            rows.sort_by_key(|r| std::cmp::Reverse(r.0));
             let tot: u64 = rows.iter().map(|r| r.0).sum();
             eprintln!("stranded total {} MiB in {} handles", tot >> 20, rows.len());
             for r in rows.iter().take(25) {
