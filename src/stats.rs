@@ -119,6 +119,8 @@ pub struct DetailedStats {
     pub unmapped_handles: u64,
     /// Virtual address space reserved.
     pub va_reserved: u64,
+    /// Estimated heap bytes of the allocator's own metadata.
+    pub metadata_bytes: u64,
     /// `live_handle_bytes / requested` (1.0 = no waste at all); 0 with nothing live.
     pub live_handle_ratio: f64,
 }

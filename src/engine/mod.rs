@@ -1503,6 +1503,26 @@ impl Engine {
         holds
     }
 
+    /// Heap bytes held by the engine's own structures (capacities, not lengths; B-tree and
+    /// hash-map nodes estimated from their entry counts).
+    pub(crate) fn metadata_bytes(&self) -> u64 {
+        use std::mem::size_of;
+        let vec = |cap: usize, each: usize| (cap * each) as u64;
+        vec(self.blocks.capacity(), size_of::<Block>())
+            + vec(self.vacant.capacity(), 4)
+            // hashbrown: one control byte plus the entry per bucket, ~1/0.875 buckets per entry
+            + vec(self.live.capacity(), 8 + 4 + 1) * 8 / 7
+            + vec(self.bins.capacity(), size_of::<[Bins; 2]>())
+            + vec(self.owners.capacity(), size_of::<Owner>())
+            + vec(self.handles.capacity(), size_of::<Option<HandleRec>>())
+            + vec(self.free_hids.capacity(), 4)
+            // B-tree: about 1.5x the raw entry size
+            + vec(self.mapped.len(), 12) * 3 / 2
+            + vec(self.unmapped.capacity() + self.quarantine.capacity(), 4)
+            + vec(self.pending.capacity(), size_of::<PendingFree>())
+            + self.va.metadata_bytes()
+    }
+
     pub(crate) fn detailed(&self) -> DetailedStats {
         let holds = self.live_handles();
         let mut live_handle_bytes = 0;
@@ -1573,6 +1593,7 @@ impl Engine {
             small_stranded_bytes: small_stranded,
             unmapped_handles: (self.unmapped.len() + self.quarantine.len()) as u64,
             va_reserved: self.va.reserved(),
+            metadata_bytes: self.metadata_bytes(),
             live_handle_ratio: if s.requested.current > 0 {
                 live_handle_bytes as f64 / s.requested.current as f64
             } else {

@@ -21,6 +21,12 @@ impl VaSpace {
         self.reservations.values().sum()
     }
 
+    /// Estimated heap bytes of the indexes.
+    pub(crate) fn metadata_bytes(&self) -> u64 {
+        ((self.free.len() * 16 + self.by_size.len() * 16 + self.reservations.len() * 16) * 3 / 2)
+            as u64
+    }
+
     /// Total bytes not mapped.
     pub(crate) fn free_bytes(&self) -> u64 {
         self.free.values().sum()

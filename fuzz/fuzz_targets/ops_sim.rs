@@ -1,0 +1,29 @@
+//! Allocation sequences on SimDriver (a tight 256 MiB device so OOM and stitching are
+//! frequent), every invariant checked after every step by the shared harness.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+use stitch_alloc::driver::SimDriver;
+use stitch_alloc::testing::{Harness, Op};
+use stitch_alloc::Config;
+
+const MIB: u64 = 1 << 20;
+
+fuzz_target!(|data: &[u8]| {
+    // The first byte picks a policy, so every configuration gets fuzzed.
+    let (cfg, rest) = match data.split_first() {
+        Some((b, rest)) => {
+            let cfg = Config::default()
+                .with_stitching(b & 1 == 0)
+                .with_reserve_slack(if b & 2 == 0 { 0.0 } else { 0.01 }, 0)
+                .with_handle_sizes(0, [4 * MIB, 16 * MIB, 64 * MIB, 128 * MIB][(b >> 2 & 3) as usize]);
+            (cfg, rest)
+        }
+        None => return,
+    };
+    let ops = Op::decode(rest, 256 * MIB);
+    let h = Harness::new(SimDriver::with_capacity(256 * MIB), cfg).expect("allocator starts");
+    if let Err(e) = h.run(&ops) {
+        panic!("invariant violated: {e}");
+    }
+});
