@@ -217,7 +217,11 @@ impl<D: Driver> Allocator<D> {
         }
         let (n, bytes) = e.teardown(&self.driver);
         if n > 0 {
-            tracing::warn!(allocations = n, bytes, "allocator shut down with live allocations");
+            tracing::warn!(
+                allocations = n,
+                bytes,
+                "allocator shut down with live allocations"
+            );
         }
         ShutdownReport {
             leaked_allocations: n,

@@ -116,11 +116,15 @@ impl Config {
             ("max_handle", max_handle),
         ] {
             if v % g != 0 {
-                return bad(format!("{name} {v} is not a multiple of the granularity {g}"));
+                return bad(format!(
+                    "{name} {v} is not a multiple of the granularity {g}"
+                ));
             }
         }
         if min_handle > max_handle {
-            return bad(format!("min_handle {min_handle} exceeds max_handle {max_handle}"));
+            return bad(format!(
+                "min_handle {min_handle} exceeds max_handle {max_handle}"
+            ));
         }
         if self.small_threshold > small_page / 2 {
             return bad(format!(

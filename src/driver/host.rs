@@ -14,7 +14,7 @@
 //! limits (`ulimit -n`, `vm.max_map_count`) bound how many exist at once. Hitting one gives
 //! a [`DriverError`] with code [`code::OS_LIMIT`] that names the limit.
 
-use super::ledger::{Ledger, LeakReport};
+use super::ledger::{LeakReport, Ledger};
 use super::streams::WorkId;
 use super::{
     code, DevAddr, Driver, DriverError, DriverOp, DriverResult, EventId, MemInfo, PhysHandle,
@@ -85,7 +85,9 @@ fn os_error(op: DriverOp, what: &str) -> DriverError {
                  physical handle: raise `ulimit -n` or use larger handles"
             ),
         ),
-        libc::ENOMEM if op == DriverOp::Map || op == DriverOp::Unmap || op == DriverOp::SetAccess => {
+        libc::ENOMEM
+            if op == DriverOp::Map || op == DriverOp::Unmap || op == DriverOp::SetAccess =>
+        {
             DriverError::new(
                 op,
                 code::OS_LIMIT,
@@ -288,7 +290,10 @@ impl Driver for HostDriver {
             )
         };
         if p == libc::MAP_FAILED {
-            return Err(os_error(DriverOp::Map, "mmap(MAP_FIXED|MAP_SHARED) of a memfd"));
+            return Err(os_error(
+                DriverOp::Map,
+                "mmap(MAP_FIXED|MAP_SHARED) of a memfd",
+            ));
         }
         s.ledger.commit_map(addr, size, handle);
         Ok(())
@@ -359,7 +364,11 @@ impl Driver for HostDriver {
         let mut s = self.state.lock();
         s.ledger.calls.add(DriverOp::DestroyEvent);
         s.ledger.streams.destroy(event).ok_or_else(|| {
-            DriverError::new(DriverOp::DestroyEvent, code::INVALID_HANDLE, "unknown event")
+            DriverError::new(
+                DriverOp::DestroyEvent,
+                code::INVALID_HANDLE,
+                "unknown event",
+            )
         })
     }
 
@@ -397,7 +406,10 @@ impl Drop for HostDriver {
         }
         s.fds.clear();
         if !report.is_clean() {
-            tracing::error!(?report, "HostDriver dropped while still holding device resources");
+            tracing::error!(
+                ?report,
+                "HostDriver dropped while still holding device resources"
+            );
             if self.panic_on_leak.load(Ordering::Relaxed) && !std::thread::panicking() {
                 panic!("HostDriver leak: {report:?}");
             }
@@ -433,7 +445,10 @@ mod tests {
         d.read(va + 4 * g, &mut out).unwrap();
         assert_eq!(&out[..g as usize], &pattern[(2 * g) as usize..]);
         assert_eq!(&out[g as usize..], &pattern[..(2 * g) as usize]);
-        assert!(d.read(va, &mut out[..1]).is_err(), "old address is unmapped");
+        assert!(
+            d.read(va, &mut out[..1]).is_err(),
+            "old address is unmapped"
+        );
         d.unmap(va + 4 * g, g).unwrap();
         d.unmap(va + 5 * g, 2 * g).unwrap();
         d.release(a).unwrap();

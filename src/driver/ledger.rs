@@ -73,7 +73,10 @@ fn err(op: DriverOp, code: i64, msg: String) -> DriverError {
 
 impl Ledger {
     pub(crate) fn new(granularity: u64, capacity: u64) -> Self {
-        assert!(granularity.is_power_of_two(), "granularity must be a power of two");
+        assert!(
+            granularity.is_power_of_two(),
+            "granularity must be a power of two"
+        );
         Ledger {
             granularity,
             capacity: capacity / granularity * granularity,
@@ -342,7 +345,13 @@ impl Ledger {
     }
 
     /// Check that `[addr, addr+size)` is covered by mappings with no gap.
-    fn check_covered(&self, op: DriverOp, addr: DevAddr, size: u64, need_access: bool) -> DriverResult<()> {
+    fn check_covered(
+        &self,
+        op: DriverOp,
+        addr: DevAddr,
+        size: u64,
+        need_access: bool,
+    ) -> DriverResult<()> {
         let mut cursor = addr;
         let end = addr + size;
         if let Some((&a, m)) = self.mappings.range(..=addr).next_back() {
@@ -433,16 +442,25 @@ mod tests {
         let base = l.find_va(8 * G).unwrap();
         l.check_reserve_at(base, 8 * G).unwrap();
         l.commit_reserve(base, 8 * G);
-        assert!(l.check_reserve_at(base + G, G).is_err(), "overlapping reservation");
+        assert!(
+            l.check_reserve_at(base + G, G).is_err(),
+            "overlapping reservation"
+        );
         assert!(l.check_create(11 * G).is_err(), "over capacity");
         assert!(l.check_create(G + 1).is_err(), "unaligned size");
         l.check_create(2 * G).unwrap();
         let h = l.commit_create(2 * G);
         assert!(l.check_map(base, G, h).is_err(), "partial handle");
-        assert!(l.check_map(base + 7 * G, 2 * G, h).is_err(), "outside reservation");
+        assert!(
+            l.check_map(base + 7 * G, 2 * G, h).is_err(),
+            "outside reservation"
+        );
         l.check_map(base, 2 * G, h).unwrap();
         l.commit_map(base, 2 * G, h);
-        assert!(l.check_map(base + G, 2 * G, h).is_err(), "overlapping mapping");
+        assert!(
+            l.check_map(base + G, 2 * G, h).is_err(),
+            "overlapping mapping"
+        );
         assert!(l.check_data(base, 16).is_err(), "no access yet");
         assert!(l.check_set_access(base, 3 * G).is_err(), "gap");
         l.check_set_access(base, 2 * G).unwrap();
@@ -450,9 +468,15 @@ mod tests {
         l.check_data(base + 100, 16).unwrap();
         assert!(l.check_release(h).is_err(), "mapped handle");
         assert!(l.check_unmap(base, G).is_err(), "partial unmap");
-        assert!(l.check_free_reservation(base, 8 * G).is_err(), "holds a mapping");
+        assert!(
+            l.check_free_reservation(base, 8 * G).is_err(),
+            "holds a mapping"
+        );
         let w = l.streams.launch(crate::Stream(1), base + G, 8);
-        assert_eq!(l.check_unmap(base, 2 * G).unwrap_err().code, code::ILLEGAL_ADDRESS);
+        assert_eq!(
+            l.check_unmap(base, 2 * G).unwrap_err().code,
+            code::ILLEGAL_ADDRESS
+        );
         l.streams.complete(crate::Stream(1), Some(w));
         l.check_unmap(base, 2 * G).unwrap();
         l.commit_unmap(base);

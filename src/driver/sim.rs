@@ -3,7 +3,7 @@
 //! is counted.
 #![forbid(unsafe_code)]
 
-use super::ledger::{Ledger, LeakReport};
+use super::ledger::{LeakReport, Ledger};
 use super::streams::WorkId;
 use super::{
     code, CallCounts, DevAddr, Driver, DriverError, DriverOp, DriverResult, EventId, MemInfo,
@@ -219,7 +219,10 @@ impl Drop for SimDriver {
     fn drop(&mut self) {
         let report = self.inner.get_mut().leak_report();
         if !report.is_clean() {
-            tracing::error!(?report, "SimDriver dropped while still holding device resources");
+            tracing::error!(
+                ?report,
+                "SimDriver dropped while still holding device resources"
+            );
             if self.panic_on_leak.load(Ordering::Relaxed) && !std::thread::panicking() {
                 panic!("SimDriver leak: {report:?}");
             }

@@ -51,12 +51,7 @@ impl StreamModel {
         let s = self.streams.entry(stream).or_default();
         s.enqueued += 1;
         let seq = s.enqueued;
-        s.work.push_back(Work {
-            seq,
-            id,
-            addr,
-            len,
-        });
+        s.work.push_back(Work { seq, id, addr, len });
         WorkId(id)
     }
 
@@ -71,7 +66,11 @@ impl StreamModel {
     /// Whether `ev` has completed; `None` for an unknown event.
     pub(crate) fn query(&self, ev: EventId) -> Option<bool> {
         let &(stream, seq) = self.events.get(&ev.0)?;
-        Some(self.streams.get(&stream).map_or(true, |s| s.completed >= seq))
+        Some(
+            self.streams
+                .get(&stream)
+                .map_or(true, |s| s.completed >= seq),
+        )
     }
 
     /// Wait for `ev`: the simulated device runs the stream up to the event. `None` if unknown.
@@ -172,7 +171,11 @@ mod tests {
         let e = m.record(Stream(3));
         assert_eq!(m.query(e), Some(true));
         let other = m.launch(Stream(4), 0, 1);
-        assert_eq!(m.query(e), Some(true), "work on another stream does not delay it");
+        assert_eq!(
+            m.query(e),
+            Some(true),
+            "work on another stream does not delay it"
+        );
         m.complete_all();
         assert!(m.in_flight(0, 1).is_none());
         let _ = other;

@@ -129,11 +129,19 @@ impl Bins {
             return Some(best);
         }
         // Otherwise the first non-empty larger class: all its blocks fit.
-        let above = if s + 1 < SL { self.sl[f] & (!0u32 << (s + 1)) } else { 0 };
+        let above = if s + 1 < SL {
+            self.sl[f] & (!0u32 << (s + 1))
+        } else {
+            0
+        };
         let (f2, s2) = if above != 0 {
             (f, above.trailing_zeros() as usize)
         } else {
-            let fls = if f + 1 < 64 { self.fl & (!0u64 << (f + 1)) } else { 0 };
+            let fls = if f + 1 < 64 {
+                self.fl & (!0u64 << (f + 1))
+            } else {
+                0
+            };
             if fls == 0 {
                 return None;
             }
@@ -184,7 +192,9 @@ impl Bins {
         let mut bytes = 0;
         for f in 0..FL {
             if (self.fl >> f & 1 == 1) != (self.sl[f] != 0) {
-                return Err(format!("first-level bit {f} disagrees with its second level"));
+                return Err(format!(
+                    "first-level bit {f} disagrees with its second level"
+                ));
             }
             for s in 0..SL {
                 let head = self.heads[f][s];
@@ -199,7 +209,10 @@ impl Bins {
                         return Err(format!("block {i}: broken free-list back link"));
                     }
                     if class(b.size >> 9) != (f, s) {
-                        return Err(format!("block {i} of {} bytes is in class ({f},{s})", b.size));
+                        return Err(format!(
+                            "block {i} of {} bytes is in class ({f},{s})",
+                            b.size
+                        ));
                     }
                     count += 1;
                     bytes += b.size;

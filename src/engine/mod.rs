@@ -288,7 +288,10 @@ impl Engine {
     }
 
     fn hsize(&self, hid: u32) -> u64 {
-        self.handles[hid as usize].as_ref().expect("live handle").size
+        self.handles[hid as usize]
+            .as_ref()
+            .expect("live handle")
+            .size
     }
 
     fn hrec(&self, hid: u32) -> &HandleRec {
@@ -575,7 +578,12 @@ impl Engine {
     }
 
     /// Free the allocation at `ptr`, whose last use is on `stream`.
-    pub(crate) fn free<D: Driver + ?Sized>(&mut self, d: &D, ptr: u64, stream: Stream) -> Result<()> {
+    pub(crate) fn free<D: Driver + ?Sized>(
+        &mut self,
+        d: &D,
+        ptr: u64,
+        stream: Stream,
+    ) -> Result<()> {
         let Some(&i) = self.live.get(&ptr) else {
             return Err(self.diagnose(ptr));
         };
@@ -903,7 +911,10 @@ impl Engine {
             let x = &self.blocks[b as usize];
             (x.addr, x.size, x.prev, x.next, x.pool)
         };
-        debug_assert!(matches!(self.blocks[b as usize].state, State::Free { owner: 0, .. }));
+        debug_assert!(matches!(
+            self.blocks[b as usize].state,
+            State::Free { owner: 0, .. }
+        ));
         debug_assert!(addr <= haddr && haddr + hsize <= addr + size);
         self.bins[0][pool as usize].remove(&mut self.blocks, b);
         let below = haddr - addr;
@@ -1008,7 +1019,8 @@ impl Engine {
         create: u64,
         pool: Pool,
     ) -> Result<Grow> {
-        let _span = tracing::debug_span!("build_span", moved = chosen.len(), create, ?pool).entered();
+        let _span =
+            tracing::debug_span!("build_span", moved = chosen.len(), create, ?pool).entered();
         // 1. Create the shortfall, in handles of at most max_handle bytes.
         let mut fresh = Vec::new();
         let mut left = create;
@@ -1069,7 +1081,8 @@ impl Engine {
         }
         if let Err(e) = self.drv(DriverOp::SetAccess, || d.set_access(base, total)) {
             self.rollback_span(d, base, total, &done);
-            self.unmapped.extend(hids.iter().filter(|h| !self.quarantine.contains(h)));
+            self.unmapped
+                .extend(hids.iter().filter(|h| !self.quarantine.contains(h)));
             return Err(e.into());
         }
         for (addr, hid) in done {
@@ -1098,7 +1111,13 @@ impl Engine {
 
     /// Undo the maps of a span that failed to build; give back its address space. A handle
     /// whose unmap fails too is quarantined (mapped, no access) and retried later.
-    fn rollback_span<D: Driver + ?Sized>(&mut self, d: &D, base: u64, total: u64, done: &[(u64, u32)]) {
+    fn rollback_span<D: Driver + ?Sized>(
+        &mut self,
+        d: &D,
+        base: u64,
+        total: u64,
+        done: &[(u64, u32)],
+    ) {
         let mut cursor = base;
         for &(addr, hid) in done {
             let size = self.hsize(hid);
@@ -1132,7 +1151,10 @@ impl Engine {
     fn retry_quarantine<D: Driver + ?Sized>(&mut self, d: &D) -> u64 {
         let mut released = 0;
         for hid in std::mem::take(&mut self.quarantine) {
-            let (addr, size) = (self.hrec(hid).at.expect("quarantined is mapped"), self.hsize(hid));
+            let (addr, size) = (
+                self.hrec(hid).at.expect("quarantined is mapped"),
+                self.hsize(hid),
+            );
             if self.drv(DriverOp::Unmap, || d.unmap(addr, size)).is_err() {
                 self.quarantine.push(hid);
                 continue;
@@ -1334,7 +1356,9 @@ impl Engine {
                 let mut run = Vec::new();
                 loop {
                     let (state, stream, requested) = match b.state {
-                        State::Live { requested, stream } => ("live", Some(stream.0), Some(requested)),
+                        State::Live { requested, stream } => {
+                            ("live", Some(stream.0), Some(requested))
+                        }
                         State::Free { owner: 0, .. } => ("free", None, None),
                         State::Free { owner, .. } => {
                             ("dirty", Some(self.owners[owner as usize].stream.0), None)
@@ -1382,11 +1406,18 @@ impl Engine {
                 continue;
             }
             if b.size == 0 || b.size % UNIT != 0 || b.addr % UNIT != 0 {
-                return Err(format!("block {i} has bad size/address {:#x}+{}", b.addr, b.size));
+                return Err(format!(
+                    "block {i} has bad size/address {:#x}+{}",
+                    b.addr, b.size
+                ));
             }
             if b.prev != NIL {
                 let p = &self.blocks[b.prev as usize];
-                if p.state == State::Vacant || p.next != i || p.addr + p.size != b.addr || p.pool != b.pool {
+                if p.state == State::Vacant
+                    || p.next != i
+                    || p.addr + p.size != b.addr
+                    || p.pool != b.pool
+                {
                     return Err(format!("block {i}: bad prev link"));
                 }
             }
@@ -1405,7 +1436,9 @@ impl Engine {
                         if nb != NIL {
                             if let State::Free { owner: o2, .. } = self.blocks[nb as usize].state {
                                 if o2 == owner {
-                                    return Err(format!("block {i}: free neighbours with one owner not merged"));
+                                    return Err(format!(
+                                        "block {i}: free neighbours with one owner not merged"
+                                    ));
                                 }
                             }
                         }
@@ -1416,7 +1449,10 @@ impl Engine {
                         return Err(format!("live block {i} missing from the live map"));
                     }
                     if r == 0 || round_up(r, UNIT) != b.size {
-                        return Err(format!("live block {i}: {} bytes for a {r}-byte request", b.size));
+                        return Err(format!(
+                            "live block {i}: {} bytes for a {r}-byte request",
+                            b.size
+                        ));
                     }
                     requested += r;
                     allocated += b.size;
@@ -1477,7 +1513,12 @@ impl Engine {
                 }
             }
         }
-        let listed: usize = self.bins.iter().flat_map(|b| b.iter()).map(|b| b.count).sum();
+        let listed: usize = self
+            .bins
+            .iter()
+            .flat_map(|b| b.iter())
+            .map(|b| b.count)
+            .sum();
         let free_blocks = self
             .blocks
             .iter()
@@ -1506,7 +1547,9 @@ impl Engine {
                 return Err(format!("mappings overlap at {a:#x}"));
             }
             if !self.va.is_reserved(a, h.size) || self.va.overlaps_free(a, h.size) {
-                return Err(format!("mapping {a:#x} is outside reserved, used address space"));
+                return Err(format!(
+                    "mapping {a:#x} is outside reserved, used address space"
+                ));
             }
             last_end = a + h.size;
             mapped += h.size;
@@ -1518,7 +1561,9 @@ impl Engine {
         }
         let quarantined: u64 = self.quarantine.iter().map(|&h| self.hsize(h)).sum();
         if block_bytes != mapped {
-            return Err(format!("blocks cover {block_bytes} bytes but {mapped} are mapped"));
+            return Err(format!(
+                "blocks cover {block_bytes} bytes but {mapped} are mapped"
+            ));
         }
         if count != self.mapped.len() + self.unmapped.len() + self.quarantine.len() {
             return Err("a handle is neither mapped, unmapped nor quarantined".into());
@@ -1531,7 +1576,11 @@ impl Engine {
         let checks = [
             ("requested", s.requested.current, requested),
             ("allocated", s.allocated.current, allocated),
-            ("live_allocations", s.live_allocations.current, live_count as u64),
+            (
+                "live_allocations",
+                s.live_allocations.current,
+                live_count as u64,
+            ),
             ("pending_free", s.pending_free, pending_bytes),
             ("reserved", s.reserved.current, reserved),
             ("mapped", s.mapped.current, mapped),
@@ -1543,7 +1592,10 @@ impl Engine {
             }
         }
         if reserved > self.cfg.capacity {
-            return Err(format!("reserved {reserved} exceeds capacity {}", self.cfg.capacity));
+            return Err(format!(
+                "reserved {reserved} exceeds capacity {}",
+                self.cfg.capacity
+            ));
         }
         Ok(())
     }

@@ -145,7 +145,10 @@ mod tests {
         v.free(60, 40);
         v.free(100, 100);
         v.validate().unwrap();
-        assert!(v.alloc(140).is_none(), "ranges must not merge across reservations");
+        assert!(
+            v.alloc(140).is_none(),
+            "ranges must not merge across reservations"
+        );
         v.free(0, 60);
         v.validate().unwrap();
         assert_eq!(v.free_bytes(), 200);
