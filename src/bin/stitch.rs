@@ -390,8 +390,8 @@ fn print_report(file: &str, t: &Trace, b: &Built, r: &ReplayReport) {
 }
 
 fn cmd_replay(a: &ReplayArgs) -> Result<(), String> {
-    let t = load(&a.trace)?;
     let b = build(&a.alloc)?;
+    let t = load(&a.trace)?;
     let opts = ReplayOptions {
         meter: Some(b.meter.clone()),
         timeline: a.plot.is_some(),
@@ -477,8 +477,8 @@ fn cmd_info(a: &InfoArgs) -> Result<(), String> {
 }
 
 fn cmd_map(a: &MapArgs) -> Result<(), String> {
-    let t = load(&a.trace)?;
     let b = build(&a.alloc)?;
+    let t = load(&a.trace)?;
     let at = a.at.unwrap_or(t.events.len()).min(t.events.len());
     let opts = ReplayOptions {
         meter: Some(b.meter.clone()),
