@@ -715,12 +715,17 @@ pub fn replay<D: Driver>(
                 continue;
             }
         }
+        let is_alloc = matches!(ev, Event::Alloc { .. });
+        if !is_alloc && tl.is_none() {
+            // A free raises no peak and never stitches: nothing to sample.
+            continue;
+        }
         let s = alloc.stats();
         let live = s.requested.current;
         let reserved = s.reserved.current;
         // Only allocations raise live or reserved bytes: sampling after them alone keeps
         // memory a probe left reserved out of the peak until an allocation needs it.
-        if matches!(ev, Event::Alloc { .. }) {
+        if is_alloc {
             if live > peak_live {
                 peak_live = live;
             }
