@@ -15,7 +15,9 @@ use stitch_alloc::trace::{self, ReadOptions, Trace};
 use stitch_alloc::{Allocator, Capacity, Config};
 
 fn shipped(name: &str) -> Trace {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data").join(name);
+    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data")
+        .join(name);
     trace::read_path(p, ReadOptions::default()).expect("shipped trace")
 }
 
@@ -52,12 +54,30 @@ fn benches(c: &mut Criterion) {
         ("train-small.trace", 4 << 30),
         ("adversarial-small.trace.gz", 4 << 30),
         ("torch-small.pickle.gz", 4 << 30),
+        // Every allocation here is a slow path (new memory or a stitch), plus one probe.
+        ("checkerboard-small.trace", 2 << 30),
     ] {
         bench_trace(c, name, &shipped(name), cap);
     }
     let h200 = stitch_alloc::driver::sim::H200_CAPACITY;
-    bench_trace(c, "llm-full (generated)", &gen::generate(Kind::Llm, 1, Scale::Full), h200);
-    bench_trace(c, "train-full (generated)", &gen::generate(Kind::Train, 1, Scale::Full), h200);
+    bench_trace(
+        c,
+        "llm-full (generated)",
+        &gen::generate(Kind::Llm, 1, Scale::Full),
+        h200,
+    );
+    bench_trace(
+        c,
+        "train-full (generated)",
+        &gen::generate(Kind::Train, 1, Scale::Full),
+        h200,
+    );
+    bench_trace(
+        c,
+        "checkerboard-full (generated)",
+        &gen::generate(Kind::Checkerboard, 1, Scale::Full),
+        h200,
+    );
 }
 
 criterion_group!(replay_benches, benches);

@@ -13,7 +13,9 @@ use stitch_alloc::{Allocator, Config};
 const GIB: u64 = 1 << 30;
 
 fn data(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data").join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data")
+        .join(name)
 }
 
 fn tmp(name: &str) -> PathBuf {
@@ -64,7 +66,10 @@ fn text_format_details() {
                 id: 6,
                 stream: Some(3)
             },
-            Event::Free { id: 5, stream: None },
+            Event::Free {
+                id: 5,
+                stream: None
+            },
         ]
     );
     // Ids may be reused once freed.
@@ -84,7 +89,10 @@ fn gzip_by_extension_and_by_magic() {
     // Same bytes under a name without .gz: detected by the magic number.
     let renamed = tmp("x-no-extension.trace");
     std::fs::write(&renamed, &bytes).unwrap();
-    assert_eq!(trace::read_path(&renamed, ReadOptions::default()).unwrap(), t);
+    assert_eq!(
+        trace::read_path(&renamed, ReadOptions::default()).unwrap(),
+        t
+    );
     // Plain text is not compressed.
     let plain = tmp("x.trace");
     t.write_path(&plain).unwrap();
@@ -102,11 +110,21 @@ fn bad_inputs_name_the_line() {
         ),
         (
             "bad/bad-number.trace",
-            Box::new(|e| matches!(e, E::BadNumber { line: 3, field: "bytes", text } if text == "12x")),
+            Box::new(
+                |e| matches!(e, E::BadNumber { line: 3, field: "bytes", text } if text == "12x"),
+            ),
         ),
         (
             "bad/missing-field.trace",
-            Box::new(|e| matches!(e, E::MissingField { line: 2, field: "bytes" })),
+            Box::new(|e| {
+                matches!(
+                    e,
+                    E::MissingField {
+                        line: 2,
+                        field: "bytes"
+                    }
+                )
+            }),
         ),
         (
             "bad/unknown-id.trace",
@@ -122,16 +140,41 @@ fn bad_inputs_name_the_line() {
         ),
         (
             "bad/huge-size.trace",
-            Box::new(|e| matches!(e, E::AbsurdSize { line: 3, bytes: 2_000_000_000_000_000_000 })),
+            Box::new(|e| {
+                matches!(
+                    e,
+                    E::AbsurdSize {
+                        line: 3,
+                        bytes: 2_000_000_000_000_000_000
+                    }
+                )
+            }),
         ),
         (
             "bad/overflow.trace",
-            Box::new(|e| matches!(e, E::BadNumber { line: 2, field: "id", .. })),
+            Box::new(|e| {
+                matches!(
+                    e,
+                    E::BadNumber {
+                        line: 2,
+                        field: "id",
+                        ..
+                    }
+                )
+            }),
         ),
         (
             "bad/size-mismatch.trace",
             Box::new(|e| {
-                matches!(e, E::SizeMismatch { line: 3, id: 1, expected: 4096, found: 4097 })
+                matches!(
+                    e,
+                    E::SizeMismatch {
+                        line: 3,
+                        id: 1,
+                        expected: 4096,
+                        found: 4097
+                    }
+                )
             }),
         ),
         (
@@ -156,9 +199,9 @@ fn bad_inputs_name_the_line() {
         ),
         (
             "bad/snapshot-missing-addr.pickle",
-            Box::new(|e| {
-                matches!(e, E::SnapshotEvent { device: 0, index: 2, message } if message.contains("addr"))
-            }),
+            Box::new(
+                |e| matches!(e, E::SnapshotEvent { device: 0, index: 2, message } if message.contains("addr")),
+            ),
         ),
     ];
     for (file, ok) in cases {
@@ -181,10 +224,14 @@ fn missing_file_is_an_error() {
 
 #[test]
 fn garbage_never_panics() {
-    let good = gen::generate(Kind::Adversarial, 5, Scale::Small).to_text().into_bytes();
+    let good = gen::generate(Kind::Adversarial, 5, Scale::Small)
+        .to_text()
+        .into_bytes();
     let gz = {
         let p = tmp("g.trace.gz");
-        gen::generate(Kind::Train, 5, Scale::Small).write_path(&p).unwrap();
+        gen::generate(Kind::Train, 5, Scale::Small)
+            .write_path(&p)
+            .unwrap();
         std::fs::read(p).unwrap()
     };
     let pickle = std::fs::read(data("torch-small.pickle")).unwrap();
@@ -205,7 +252,13 @@ fn garbage_never_panics() {
             v.truncate(r.below(v.len() as u64) as usize);
         }
         for format in [Format::Auto, Format::Text, Format::PyTorch] {
-            let _ = trace::read_bytes(&v, ReadOptions { format, device: None });
+            let _ = trace::read_bytes(
+                &v,
+                ReadOptions {
+                    format,
+                    device: None,
+                },
+            );
         }
     }
     // Pure random bytes.
@@ -221,7 +274,8 @@ fn garbage_never_panics() {
 #[test]
 fn real_pytorch_snapshot() {
     let expected: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(data("torch-small.expected.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(data("torch-small.expected.json")).unwrap())
+            .unwrap();
     let n_alloc = expected["actions"]["alloc"].as_u64().unwrap();
     let n_free = expected["actions"]["free_requested"].as_u64().unwrap();
     for name in ["torch-small.pickle", "torch-small.pickle.gz"] {
@@ -232,7 +286,9 @@ fn real_pytorch_snapshot() {
         assert_eq!(s.allocs, n_alloc + 1, "{name}");
         assert_eq!(s.frees, n_free, "{name}");
         assert_eq!(s.streams, expected["alloc_streams"].as_u64().unwrap());
-        assert!(matches!(t.events[0], Event::Alloc { bytes, stream: 0, .. } if bytes == 3 * (1 << 20) + 512));
+        assert!(
+            matches!(t.events[0], Event::Alloc { bytes, stream: 0, .. } if bytes == 3 * (1 << 20) + 512)
+        );
         let a = Allocator::new(SimDriver::new(), Config::default().with_paranoid(true)).unwrap();
         let r = replay(&t, &a, &ReplayOptions::default());
         assert_eq!(r.failed_allocs + r.failed_frees, 0);
@@ -256,7 +312,10 @@ fn ev(action: &str, addr: i64, size: i64, stream: Value) -> Value {
         ("size", Value::I64(size)),
         ("stream", stream),
         ("time_us", Value::I64(12345)),
-        ("frames", Value::List(vec![d(&[("name", Value::String("f".into()))])])),
+        (
+            "frames",
+            Value::List(vec![d(&[("name", Value::String("f".into()))])]),
+        ),
     ])
 }
 
@@ -365,10 +424,16 @@ fn synthetic_pytorch_snapshots() {
         ev("alloc", 4096, 100, s0()),
     ]]);
     let e = trace::read_bytes(&bad, ReadOptions::default()).unwrap_err();
-    assert!(matches!(e, TraceError::SnapshotEvent { index: 1, .. }), "{e}");
+    assert!(
+        matches!(e, TraceError::SnapshotEvent { index: 1, .. }),
+        "{e}"
+    );
     let neg = snapshot(vec![vec![ev("alloc", -5, 100, s0())]]);
     let e = trace::read_bytes(&neg, ReadOptions::default()).unwrap_err();
-    assert!(matches!(e, TraceError::SnapshotEvent { index: 0, .. }), "{e}");
+    assert!(
+        matches!(e, TraceError::SnapshotEvent { index: 0, .. }),
+        "{e}"
+    );
     let zero = snapshot(vec![vec![ev("alloc", 5, 0, s0())]]);
     assert!(trace::read_bytes(&zero, ReadOptions::default()).is_err());
 }
@@ -393,7 +458,11 @@ fn generators_are_deterministic() {
         ("checkerboard-small.trace", Kind::Checkerboard),
         ("adversarial-small.trace.gz", Kind::Adversarial),
     ] {
-        assert_eq!(read(file).unwrap(), gen::generate(kind, 1, Scale::Small), "{file}");
+        assert_eq!(
+            read(file).unwrap(),
+            gen::generate(kind, 1, Scale::Small),
+            "{file}"
+        );
     }
 }
 
@@ -437,7 +506,9 @@ fn shipped_traces_replay_cleanly_under_paranoid_checks() {
             let meter = Meter::new(Default::default());
             let a = Allocator::new(
                 Metered::new(SimDriver::with_capacity(cap), meter.clone()),
-                Config::default().with_paranoid(true).with_stitching(stitching),
+                Config::default()
+                    .with_paranoid(true)
+                    .with_stitching(stitching),
             )
             .unwrap();
             let r = replay(
@@ -515,7 +586,11 @@ fn stitch(args: &[&str]) -> std::process::Output {
 
 fn json(args: &[&str]) -> serde_json::Value {
     let out = stitch(args);
-    assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let text = String::from_utf8(out.stdout).unwrap();
     assert_eq!(text.trim().lines().count(), 1, "exactly one JSON line");
     serde_json::from_str(text.trim()).unwrap()
@@ -557,7 +632,10 @@ fn cli_no_stitch_is_no_better_on_the_checkerboard() {
     let f = f.to_str().unwrap();
     let on = json(&["replay", f, "--json", "--capacity", "2GiB"]);
     let off = json(&["replay", f, "--json", "--capacity", "2GiB", "--no-stitch"]);
-    assert!(off["ratio"].as_f64().unwrap() >= on["ratio"].as_f64().unwrap(), "{on}\n{off}");
+    assert!(
+        off["ratio"].as_f64().unwrap() >= on["ratio"].as_f64().unwrap(),
+        "{on}\n{off}"
+    );
     assert_eq!(on["stitching"], true);
     assert_eq!(off["stitching"], false);
     assert!(on["stitches"].as_u64().unwrap() >= 1);
@@ -569,7 +647,12 @@ fn cli_no_stitch_is_no_better_on_the_checkerboard() {
 fn cli_human_output_plot_and_map() {
     let f = data("llm-small.trace.gz");
     let svg = tmp("llm.svg");
-    let out = stitch(&["replay", f.to_str().unwrap(), "--plot", svg.to_str().unwrap()]);
+    let out = stitch(&[
+        "replay",
+        f.to_str().unwrap(),
+        "--plot",
+        svg.to_str().unwrap(),
+    ]);
     assert!(out.status.success());
     let text = String::from_utf8(out.stdout).unwrap();
     for word in ["peak reserved", "ratio", "modeled driver", "stranded"] {
@@ -587,7 +670,11 @@ fn cli_human_output_plot_and_map() {
         "--out",
         map.to_str().unwrap(),
     ]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let s = std::fs::read_to_string(&map).unwrap();
     assert!(s.starts_with("<svg") && s.contains("stranded") && s.contains("<rect"));
 }
@@ -597,7 +684,15 @@ fn cli_gen_is_deterministic_and_readable() {
     let a = tmp("gen-a.trace.gz");
     let b = tmp("gen-b.trace.gz");
     for p in [&a, &b] {
-        let out = stitch(&["gen", "adversarial", "--small", "--seed", "9", "--out", p.to_str().unwrap()]);
+        let out = stitch(&[
+            "gen",
+            "adversarial",
+            "--small",
+            "--seed",
+            "9",
+            "--out",
+            p.to_str().unwrap(),
+        ]);
         assert!(out.status.success());
     }
     let (x, y) = (std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());
@@ -607,7 +702,9 @@ fn cli_gen_is_deterministic_and_readable() {
         trace::read_path(&a, ReadOptions::default()).unwrap(),
         gen::generate(Kind::Adversarial, 9, Scale::Small)
     );
-    assert!(!stitch(&["gen", "nonsense", "--out", "/dev/null"]).status.success());
+    assert!(!stitch(&["gen", "nonsense", "--out", "/dev/null"])
+        .status
+        .success());
 }
 
 #[test]
@@ -616,12 +713,18 @@ fn cli_errors_are_clear() {
     let out = stitch(&["replay", f.to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8(out.stderr).unwrap();
-    assert!(err.contains("line 4") && err.contains("unknown id 9"), "{err}");
+    assert!(
+        err.contains("line 4") && err.contains("unknown id 9"),
+        "{err}"
+    );
     let ok = data("train-small.trace");
     let out = stitch(&["replay", ok.to_str().unwrap(), "--backend", "cuda"]);
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8(out.stderr).unwrap();
-    assert!(err.contains("CUDA backend not built in this version"), "{err}");
+    assert!(
+        err.contains("CUDA backend not built in this version"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -648,7 +751,11 @@ fn cli_info_and_host_backend() {
 #[test]
 fn cli_demo_runs() {
     let out = stitch(&["demo"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let text = String::from_utf8(out.stdout).unwrap();
     assert!(text.contains("stitching on") && text.contains("stitching off"));
     assert!(text.contains("What you are looking at"));

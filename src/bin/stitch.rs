@@ -629,11 +629,14 @@ fn cmd_demo(a: &DemoArgs) -> Result<(), String> {
     );
     println!();
     println!(
-        "What you are looking at: peak reserved / peak live is the physical memory the allocator held per byte the \
-         program used (1.0 = no waste; PyTorch's default allocator: 1.317 on a similar trace), and the checkerboard \
-         row is how much of the free memory one tensor can still get after fragmentation (PyTorch: 99.7% after \
-         230-370 ms stalls, expandable segments 92.4%); 'modeled driver time' prices every CUDA call with H200 \
-         medians. Stitching off releases and re-creates memory instead of remapping it."
+        "What you are looking at: the ratio is physical memory held per byte in use (1.0 = no waste; PyTorch's \
+         default allocator: 1.317 on a similar trace), the checkerboard rows how much of the free memory one tensor \
+         still gets after fragmentation (PyTorch: 99.7% after 230-370 ms stalls) and what its CUDA calls would cost \
+         on an H200."
+    );
+    println!(
+        "(Stitching off is stitch-alloc's own baseline: it releases free memory and re-creates it instead of \
+         remapping it, which costs more driver time and lets another process take the memory in between.)"
     );
     println!(
         "({} s of wall time)",
