@@ -22,12 +22,15 @@ fn shipped(name: &str) -> Trace {
 }
 
 fn bench_trace(c: &mut Criterion, name: &str, t: &Trace, capacity: u64) {
+    bench_with(c, name, t, capacity, ReplayOptions::default());
+}
+
+fn bench_with(c: &mut Criterion, name: &str, t: &Trace, capacity: u64, opts: ReplayOptions) {
     let mut g = c.benchmark_group("replay");
     g.throughput(Throughput::Elements(t.op_count() as u64));
     g.sample_size(10);
     g.warm_up_time(Duration::from_millis(500));
     g.measurement_time(Duration::from_secs(3));
-    let opts = ReplayOptions::default();
     g.bench_function(name, |b| {
         b.iter_batched(
             || {

@@ -41,6 +41,12 @@ pub struct Config {
     /// Remap free handles into contiguous spans when no free span fits (default on). Off
     /// gives a plain caching allocator on VMM that releases and re-creates instead.
     pub stitching: bool,
+    /// Growth slack: while the physical memory held stays within `(1 + reserve_slack)` times
+    /// the peak of live bytes, a miss creates new memory (one or a few driver calls) instead
+    /// of remapping free handles, and a large request avoids pinning a free block four or
+    /// more times its size. Past that budget, free handles are reused (stitched) first.
+    /// 0 = always reuse first (lowest memory, most remapping); large = a plain cache.
+    pub reserve_slack: f64,
     /// Size of each virtual address reservation (0 = four times the capacity).
     pub va_chunk: u64,
     /// Upper bound on all reservations together (default 32 TiB; the process limit is 128).
@@ -58,6 +64,7 @@ impl Default for Config {
             min_handle: 0,
             max_handle: 1 << 30,
             stitching: true,
+            reserve_slack: 0.01,
             va_chunk: 0,
             va_limit: 32 << 40,
             paranoid: false,
@@ -85,6 +92,11 @@ impl Config {
     /// Turn stitching on or off.
     pub fn with_stitching(mut self, on: bool) -> Self {
         self.stitching = on;
+        self
+    }
+    /// Set the growth slack (see [`Config::reserve_slack`]).
+    pub fn with_reserve_slack(mut self, slack: f64) -> Self {
+        self.reserve_slack = slack;
         self
     }
     /// Turn the per-operation invariant check on or off.
@@ -132,6 +144,17 @@ impl Config {
                 self.small_threshold
             ));
         }
+        if !(self.reserve_slack >= 0.0 && self.reserve_slack.is_finite()) {
+            return bad(format!(
+                "reserve_slack {} must be finite and >= 0",
+                self.reserve_slack
+            ));
+        }
+        if max_handle < small_page {
+            return bad(format!(
+                "max_handle {max_handle} is below the small page {small_page}"
+            ));
+        }
         let va_chunk = if self.va_chunk == 0 {
             capacity.saturating_mul(4)
         } else {
@@ -145,6 +168,7 @@ impl Config {
             min_handle,
             max_handle,
             stitching: self.stitching,
+            reserve_slack: self.reserve_slack,
             va_chunk,
             va_limit: self.va_limit,
             paranoid: self.paranoid,
@@ -162,6 +186,7 @@ pub(crate) struct Resolved {
     pub min_handle: u64,
     pub max_handle: u64,
     pub stitching: bool,
+    pub reserve_slack: f64,
     pub va_chunk: u64,
     pub va_limit: u64,
     pub paranoid: bool,

@@ -28,11 +28,12 @@
 //! driver time, [`plot`] draws the results as SVG. The `stitch` program wraps them.
 //!
 //! Layers: [`driver`] (the `Driver` trait and its backends: the only code that touches the
-//! OS or the GPU), the engine (pure data structures and algorithms), and [`Allocator`] (a
-//! lock around the engine). See `design/ARCHITECTURE.md`.
+//! OS or the GPU; [`AnyDriver`] picks one at run time), the engine (pure data structures and
+//! algorithms), and [`Allocator`] (a lock around the engine). See `design/ARCHITECTURE.md`.
 #![deny(missing_docs)]
 
 mod allocator;
+mod backend;
 mod config;
 pub mod driver;
 mod engine;
@@ -40,11 +41,18 @@ mod error;
 pub mod plot;
 pub mod replay;
 pub mod stats;
+pub mod testing;
 pub mod trace;
 
 pub use allocator::{Allocator, Buffer, DevicePtr, ShutdownReport};
+pub use backend::{AnyDriver, BackendError};
 pub use config::{Capacity, Config};
-pub use driver::{Driver, Stream};
+pub use driver::{CudaDriver, Driver, Stream};
 pub use engine::{BlockView, HandleView, Pool, Snapshot};
 pub use error::{AllocError, OomReport, Result};
 pub use stats::{DetailedStats, Stats};
+
+/// The README's Rust example, compiled and run as a doc test.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

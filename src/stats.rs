@@ -66,6 +66,9 @@ pub struct Stats {
     pub slow_allocs: u64,
     /// Stitches: slow paths that remapped existing free handles into a new span.
     pub stitches: u64,
+    /// Slow paths that grew a free block in place (mapping handles right after it) instead
+    /// of building a new span.
+    pub extensions: u64,
     /// Handles moved by stitching.
     pub stitched_handles: u64,
     /// Handles created.

@@ -8,11 +8,11 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 use stitch_alloc::driver::sim::H200_CAPACITY;
-use stitch_alloc::driver::{Driver, HostDriver, SimDriver};
+use stitch_alloc::driver::{CudaDriver, Driver, HostDriver, SimDriver};
 use stitch_alloc::replay::{replay, Meter, Metered, ReplayOptions, ReplayReport};
 use stitch_alloc::trace::gen::{self, Kind, Scale};
 use stitch_alloc::trace::{self, Format, ReadOptions, Trace};
-use stitch_alloc::{plot, Allocator, Config};
+use stitch_alloc::{plot, Allocator, Capacity, Config};
 
 #[derive(Parser)]
 #[command(
@@ -44,13 +44,13 @@ enum Cmd {
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
 enum Backend {
-    /// The CUDA backend when built in, else the simulator.
+    /// CUDA device 0 when a usable GPU and driver are found, else the simulator.
     Auto,
     /// SimDriver: an accounting-only simulated GPU (default: an H200, 139.8 GiB).
     Sim,
     /// HostDriver: real host memory, remapped with mmap and memfd (default 16 GiB).
     Host,
-    /// A real GPU through the CUDA driver (not built into this version).
+    /// A real GPU (device 0) through the CUDA driver, loaded at run time.
     Cuda,
 }
 
@@ -81,6 +81,10 @@ struct AllocArgs {
     /// Largest single handle (default 1 GiB).
     #[arg(long, value_parser = parse_bytes)]
     max_handle: Option<u64>,
+    /// Growth slack: create new memory while reserved stays within (1 + slack) x peak live,
+    /// reuse (stitch) free handles past it (default 0.01).
+    #[arg(long)]
+    reserve_slack: Option<f64>,
     /// Check every allocator invariant after each operation (slow).
     #[arg(long)]
     paranoid: bool,
@@ -200,24 +204,35 @@ struct Built {
     stitching: bool,
 }
 
+fn sim_driver(capacity: Option<u64>) -> (Arc<dyn Driver>, String) {
+    let sim = SimDriver::with_capacity(capacity.unwrap_or(H200_CAPACITY));
+    sim.set_panic_on_leak(false);
+    let what = if capacity.is_none() {
+        "simulated NVIDIA H200 (accounting only)"
+    } else {
+        "simulated GPU (accounting only)"
+    };
+    (Arc::new(sim), what.to_string())
+}
+
+fn cuda_driver() -> Result<(Arc<dyn Driver>, String), String> {
+    let d = CudaDriver::new(0).map_err(|e| {
+        format!("the CUDA backend is unavailable ({e}); use --backend sim (a simulated H200) or --backend host")
+    })?;
+    Ok((Arc::new(d), "CUDA device 0".to_string()))
+}
+
 fn make_driver(a: &AllocArgs) -> Result<(Arc<dyn Driver>, String), String> {
     match a.backend {
-        Backend::Cuda => Err(
-            "CUDA backend not built in this version of stitch; use --backend sim (a \
-             simulated H200) or --backend host"
-                .into(),
-        ),
-        Backend::Auto | Backend::Sim => {
-            let cap = a.capacity.unwrap_or(H200_CAPACITY);
-            let sim = SimDriver::with_capacity(cap);
-            sim.set_panic_on_leak(false);
-            let what = if a.capacity.is_none() {
-                "simulated NVIDIA H200 (accounting only)".to_string()
-            } else {
-                "simulated GPU (accounting only)".to_string()
-            };
-            Ok((Arc::new(sim), what))
-        }
+        Backend::Cuda => cuda_driver(),
+        Backend::Auto if CudaDriver::available() => match cuda_driver() {
+            Ok(d) => Ok(d),
+            Err(e) => {
+                eprintln!("stitch: {e}; using the simulator");
+                Ok(sim_driver(a.capacity))
+            }
+        },
+        Backend::Auto | Backend::Sim => Ok(sim_driver(a.capacity)),
         Backend::Host => {
             let h = match a.capacity {
                 Some(c) => HostDriver::with_capacity(c),
@@ -236,6 +251,13 @@ fn build(a: &AllocArgs) -> Result<Built, String> {
     let mut cfg = Config::default()
         .with_stitching(!a.no_stitch)
         .with_paranoid(a.paranoid);
+    if let Some(slack) = a.reserve_slack {
+        cfg = cfg.with_reserve_slack(slack);
+    }
+    if let (Some(c), "cuda") = (a.capacity, drv.name()) {
+        // On a real GPU the capacity limits the allocator, not the device.
+        cfg = cfg.with_capacity(Capacity::Bytes(c));
+    }
     if a.min_handle.is_some() || a.max_handle.is_some() {
         let d = Config::default();
         cfg = cfg.with_handle_sizes(
@@ -363,9 +385,10 @@ fn print_report(file: &str, t: &Trace, b: &Built, r: &ReplayReport) {
         top.join(", ")
     );
     println!(
-        "stitches         {} (moving {} handles); {} handles created, {} released; {} of {} allocs with no driver call",
+        "stitches         {} (moving {} handles), {} in-place extensions; {} handles created, {} released; {} of {} allocs with no driver call",
         r.stitches,
         r.stitched_handles,
+        r.extensions,
         r.handles_created,
         r.handles_released,
         thousands(r.fast_allocs),
@@ -454,7 +477,14 @@ fn cmd_gen(a: &GenArgs) -> Result<(), String> {
 
 fn cmd_info(a: &InfoArgs) -> Result<(), String> {
     if a.alloc.backend == Backend::Auto {
-        println!("backend      auto -> sim (CUDA backend not built in this version)");
+        println!(
+            "backend      auto -> {}",
+            if CudaDriver::available() {
+                "cuda (a CUDA driver and device were found)"
+            } else {
+                "sim (no usable CUDA driver or device)"
+            }
+        );
     }
     let b = build(&a.alloc)?;
     let d = b.alloc.driver();
@@ -531,6 +561,7 @@ fn demo_run(t: &Trace, stitching: bool) -> Result<ReplayReport, String> {
         no_stitch: !stitching,
         min_handle: None,
         max_handle: None,
+        reserve_slack: None,
         paranoid: false,
     })?;
     let opts = ReplayOptions {

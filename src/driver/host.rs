@@ -153,9 +153,19 @@ impl HostDriver {
         self.state.lock().ledger.streams.complete(stream, upto)
     }
 
+    /// Whether simulated work `w` has completed.
+    pub fn work_done(&self, w: WorkId) -> bool {
+        self.state.lock().ledger.streams.is_done(w)
+    }
+
     /// Complete all simulated work.
     pub fn complete_all(&self) {
         self.state.lock().ledger.streams.complete_all()
+    }
+
+    /// Whether `[addr, addr+len)` is fully mapped with access set.
+    pub fn is_accessible(&self, addr: DevAddr, len: u64) -> bool {
+        self.state.lock().ledger.check_data(addr, len).is_ok()
     }
 
     /// Calls made so far, by kind.
@@ -211,7 +221,7 @@ impl Driver for HostDriver {
             return Err(os_error(DriverOp::Reserve, "mmap(PROT_NONE) reservation"));
         }
         let raw = p as u64;
-        let base = (raw + g - 1) / g * g;
+        let base = raw.div_ceil(g) * g;
         // Trim the unaligned head and the tail so exactly [base, base+size) stays reserved.
         // SAFETY: both pieces lie inside the mapping just made and belong to no one else.
         unsafe {

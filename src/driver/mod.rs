@@ -13,15 +13,19 @@
 //!   a use-after-free. The allocator fences with events (`record_event`, `query_event`,
 //!   `wait_event`) before it unmaps.
 //!
-//! Implementations: [`SimDriver`] (accounting only, any scale, deterministic) and
-//! [`HostDriver`] (real OS virtual memory with `mmap` and `memfd`, so remapped bytes survive).
+//! Implementations: [`SimDriver`] (accounting only, any scale, deterministic),
+//! [`HostDriver`] (real OS virtual memory with `mmap` and `memfd`, so remapped bytes survive)
+//! and [`CudaDriver`] (a real GPU through the CUDA driver API, loaded at run time).
+//! [`AnyDriver`](crate::AnyDriver) picks one at run time.
 
 mod ledger;
 mod streams;
 
+pub mod cuda;
 pub mod host;
 pub mod sim;
 
+pub use cuda::CudaDriver;
 pub use host::HostDriver;
 pub use ledger::LeakReport;
 pub use sim::SimDriver;

@@ -98,6 +98,11 @@ impl SimDriver {
         self.inner.lock().streams.complete(stream, upto)
     }
 
+    /// Whether simulated work `w` has completed.
+    pub fn work_done(&self, w: WorkId) -> bool {
+        self.inner.lock().streams.is_done(w)
+    }
+
     /// Complete all simulated work on every stream.
     pub fn complete_all(&self) {
         self.inner.lock().streams.complete_all()

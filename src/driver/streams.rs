@@ -66,11 +66,7 @@ impl StreamModel {
     /// Whether `ev` has completed; `None` for an unknown event.
     pub(crate) fn query(&self, ev: EventId) -> Option<bool> {
         let &(stream, seq) = self.events.get(&ev.0)?;
-        Some(
-            self.streams
-                .get(&stream)
-                .map_or(true, |s| s.completed >= seq),
-        )
+        Some(self.streams.get(&stream).is_none_or(|s| s.completed >= seq))
     }
 
     /// Wait for `ev`: the simulated device runs the stream up to the event. `None` if unknown.
@@ -131,6 +127,14 @@ impl StreamModel {
                 .find(|w| w.addr < addr + len && addr < w.addr + w.len)
                 .map(|w| (st, WorkId(w.id)))
         })
+    }
+
+    /// Whether work `w` has completed (unknown ids count as completed).
+    pub(crate) fn is_done(&self, w: WorkId) -> bool {
+        !self
+            .streams
+            .values()
+            .any(|s| s.work.iter().any(|x| x.id == w.0))
     }
 
     /// Number of work items still in flight on all streams.

@@ -33,6 +33,9 @@ use va::VaSpace;
 pub(crate) const NIL: u32 = u32::MAX;
 /// Allocation unit and alignment: 512 bytes.
 pub(crate) const UNIT: u64 = 512;
+/// A large request avoids (while within the growth budget) a free block this many times its
+/// size: it would pin memory that larger requests could use whole.
+const OVERFIT: u64 = 4;
 
 /// Which pool a block belongs to.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize)]
@@ -243,13 +246,22 @@ impl Engine {
         Ok(())
     }
 
+    /// Address space for a new run: the middle of the largest free range, so the run can
+    /// later grow in place; a new reservation when no range is twice the length; plain best
+    /// fit when the address-space limit is reached.
     fn va_alloc<D: Driver + ?Sized>(&mut self, d: &D, len: u64) -> Result<u64> {
-        if let Some(a) = self.va.alloc(len) {
+        let g = self.cfg.granularity;
+        if let Some(a) = self.va.alloc_spread(len, g) {
             return Ok(a);
         }
-        let chunk = self.cfg.va_chunk.max(len);
-        self.reserve_va(d, chunk)?;
-        Ok(self.va.alloc(len).expect("fresh reservation fits"))
+        let chunk = self.cfg.va_chunk.max(len.saturating_mul(4));
+        match self.reserve_va(d, chunk) {
+            Ok(()) => Ok(self
+                .va
+                .alloc_spread(len, g)
+                .expect("fresh reservation fits")),
+            Err(e) => self.va.alloc(len).ok_or(e),
+        }
     }
 
     // ----- arena -----
@@ -497,10 +509,26 @@ impl Engine {
             Pool::Large
         };
         if let Some(i) = self.find(rsize, pool, stream) {
-            self.stats.fast_allocs += 1;
-            return Ok(self.take(i, rsize, size, stream));
+            // A large request would pin a free block four or more times its size: create a
+            // fitting one instead while within the growth budget.
+            let overfit = pool == Pool::Large && self.blocks[i as usize].size / OVERFIT >= rsize;
+            if !overfit || !self.may_create(size) {
+                self.stats.fast_allocs += 1;
+                return Ok(self.take(i, rsize, size, stream));
+            }
+            return self.alloc_slow(d, size, rsize, pool, stream, true);
         }
-        self.alloc_slow(d, size, rsize, pool, stream)
+        self.alloc_slow(d, size, rsize, pool, stream, false)
+    }
+
+    /// Whether creating memory for a request of `size` bytes stays within the capacity and
+    /// the growth budget `(1 + reserve_slack) * max(peak live, live + size)`.
+    fn may_create(&self, size: u64) -> bool {
+        let need = round_up(size, self.cfg.granularity);
+        let s = &self.stats;
+        let after = s.reserved.current + need;
+        let live = s.requested.peak.max(s.requested.current + size);
+        after <= self.cfg.capacity && after as f64 <= live as f64 * (1.0 + self.cfg.reserve_slack)
     }
 
     fn alloc_slow<D: Driver + ?Sized>(
@@ -510,12 +538,18 @@ impl Engine {
         rsize: u64,
         pool: Pool,
         stream: Stream,
+        overfit: bool,
     ) -> Result<u64> {
         self.stats.slow_allocs += 1;
         let _span = tracing::debug_span!("alloc_slow", size, ?pool, stream = stream.0).entered();
         // Frees fenced since the last slow path may have become clean and merged.
         self.poll(d, false)?;
-        let mut grown = match self.find_exhaustive(rsize, pool, stream) {
+        let fits = if overfit {
+            None
+        } else {
+            self.find_exhaustive(rsize, pool, stream)
+        };
+        let mut grown = match fits {
             Some(_) => Grow::Done,
             None => self.grow(d, pool, rsize)?,
         };
@@ -584,6 +618,9 @@ impl Engine {
         ptr: u64,
         stream: Stream,
     ) -> Result<()> {
+        if self.shut_down {
+            return Err(AllocError::ShutDown);
+        }
         let Some(&i) = self.live.get(&ptr) else {
             return Err(self.diagnose(ptr));
         };
@@ -595,7 +632,7 @@ impl Engine {
             unreachable!("live map points at a block that is not live")
         };
         let extra = self.extra.get(&i);
-        let single = stream == s0 && extra.map_or(true, |v| v.iter().all(|&s| s == s0));
+        let single = stream == s0 && extra.is_none_or(|v| v.iter().all(|&s| s == s0));
         let size = self.blocks[i as usize].size;
         if single {
             let o = self.owner_for(s0);
@@ -640,6 +677,9 @@ impl Engine {
 
     /// Note that the live allocation at `ptr` is also used on `stream`.
     pub(crate) fn record_stream(&mut self, ptr: u64, stream: Stream) -> Result<()> {
+        if self.shut_down {
+            return Err(AllocError::ShutDown);
+        }
         let Some(&i) = self.live.get(&ptr) else {
             return Err(self.diagnose(ptr));
         };
@@ -705,9 +745,7 @@ impl Engine {
                     tracing::warn!(%err, "could not destroy a completed fence event");
                 }
                 self.migrate(k, covered);
-                if !wait {
-                    break;
-                }
+                // Frees after the fence are still dirty: go round and fence them too.
             }
         }
         let mut j = 0;
@@ -806,10 +844,7 @@ impl Engine {
         }
         while left > 0 && !cands.is_empty() {
             // cands is sorted by size, descending: the tightest fit is the last that fits.
-            let pick = match cands.iter().rposition(|c| c.size >= left) {
-                Some(p) => p,
-                None => 0,
-            };
+            let pick = cands.iter().rposition(|c| c.size >= left).unwrap_or(0);
             let c = cands.remove(pick);
             left = left.saturating_sub(c.size);
             chosen.push(c);
@@ -825,6 +860,42 @@ impl Engine {
         let cands = self.free_handles();
         let free_total: u64 = cands.iter().map(|c| c.size).sum();
         let headroom = self.headroom();
+        if self.may_create(rsize) {
+            // Within the growth budget: new memory, one or a few calls, no remapping; grown
+            // in place after a free block that ends its run when possible.
+            if let Some((b, ext)) = self.extension_target(rsize) {
+                let create = ext.max(self.cfg.min_handle.min(headroom));
+                let x = &self.blocks[b as usize];
+                if create <= headroom && self.va.is_free(x.addr + x.size, create) {
+                    return self.build(d, Vec::new(), create, Pool::Large, Some(b));
+                }
+            }
+            let create = need.max(self.cfg.min_handle.min(headroom));
+            return self.build(d, Vec::new(), create, Pool::Large, None);
+        }
+        // Best: grow a free block that ends its run, in place, by the missing part only.
+        if let Some((b, ext)) = self.extension_target(rsize) {
+            let others: Vec<Cand> = cands.iter().copied().filter(|c| c.block != b).collect();
+            let other_total: u64 = others.iter().map(|c| c.size).sum();
+            if other_total + headroom >= ext {
+                let chosen = if other_total == 0 {
+                    Vec::new()
+                } else {
+                    Self::choose(others, ext)
+                };
+                let taken: u64 = chosen.iter().map(|c| c.size).sum();
+                let short = ext.saturating_sub(taken);
+                let create = if short > 0 {
+                    short.max(self.cfg.min_handle.min(headroom))
+                } else {
+                    0
+                };
+                let x = &self.blocks[b as usize];
+                if self.va.is_free(x.addr + x.size, taken + create) {
+                    return self.build(d, chosen, create, Pool::Large, Some(b));
+                }
+            }
+        }
         if free_total + headroom < need {
             return Ok(Grow::Short);
         }
@@ -840,7 +911,33 @@ impl Engine {
         } else {
             0
         };
-        self.build_span(d, chosen, create, Pool::Large)
+        self.build(d, chosen, create, Pool::Large, None)
+    }
+
+    /// The largest clean free block of the large pool that ends its run with enough free
+    /// address space after it to grow to `rsize` bytes; returns it and the bytes to add.
+    fn extension_target(&self, rsize: u64) -> Option<(u32, u64)> {
+        let g = self.cfg.granularity;
+        let mut list = Vec::new();
+        self.bins[0][Pool::Large as usize].collect(&self.blocks, &mut list);
+        let mut best: Option<(u32, u64)> = None;
+        for i in list {
+            let b = &self.blocks[i as usize];
+            // Only worth it when the block is a large part of the request; a small leftover
+            // would make the new allocation share a handle with its neighbour.
+            if b.next != NIL || b.size >= rsize || b.size < rsize / 2 {
+                continue;
+            }
+            let ext = round_up(rsize - b.size, g);
+            let end = b.addr + b.size;
+            if end % g != 0 || !self.va.is_free(end, ext) {
+                continue;
+            }
+            if best.is_none_or(|(j, _)| self.blocks[j as usize].size < b.size) {
+                best = Some((i, ext));
+            }
+        }
+        best
     }
 
     /// Large-pool growth without stitching: create new memory; if the capacity is reached,
@@ -876,6 +973,17 @@ impl Engine {
             };
             return self.build_span(d, vec![c], 0, Pool::Small);
         }
+        // A free page-sized handle is reused where it sits: no driver call, no new memory.
+        let cands = self.free_handles();
+        let smallest = cands
+            .iter()
+            .filter(|c| c.block != NIL)
+            .min_by_key(|c| c.size)
+            .copied();
+        if let Some(c) = smallest.filter(|c| c.size <= page) {
+            self.retag_small(c);
+            return Ok(Grow::Done);
+        }
         let headroom = self.headroom();
         if headroom >= g {
             let r = self.build_span(d, Vec::new(), page.min(headroom / g * g), Pool::Small)?;
@@ -883,24 +991,23 @@ impl Engine {
                 return Ok(r);
             }
         }
-        // Reuse the smallest free handle where it is: no driver call.
-        let cands = self.free_handles();
-        if let Some(c) = cands
-            .iter()
-            .filter(|c| c.block != NIL)
-            .min_by_key(|c| c.size)
-            .copied()
-        {
-            let m = self.carve(c.block, c.addr, c.size);
-            self.blocks[m as usize].pool = Pool::Small;
-            self.bins[0][Pool::Small as usize].insert(&mut self.blocks, m);
-            tracing::debug!(size = c.size, "free handle retagged as a small page");
+        // At the capacity: a larger free handle becomes a (larger) small page.
+        if let Some(c) = smallest {
+            self.retag_small(c);
             return Ok(Grow::Done);
         }
         if let Some(c) = cands.first().copied() {
             return self.build_span(d, vec![c], 0, Pool::Small);
         }
         Ok(Grow::Short)
+    }
+
+    /// Turn a free mapped handle into a small page where it sits.
+    fn retag_small(&mut self, c: Cand) {
+        let m = self.carve(c.block, c.addr, c.size);
+        self.blocks[m as usize].pool = Pool::Small;
+        self.bins[0][Pool::Small as usize].insert(&mut self.blocks, m);
+        tracing::debug!(size = c.size, "free handle reused as a small page");
     }
 
     /// Cut the handle at `[haddr, haddr+hsize)` out of clean free block `b`, which contains
@@ -1015,9 +1122,22 @@ impl Engine {
     fn build_span<D: Driver + ?Sized>(
         &mut self,
         d: &D,
+        chosen: Vec<Cand>,
+        create: u64,
+        pool: Pool,
+    ) -> Result<Grow> {
+        self.build(d, chosen, create, pool, None)
+    }
+
+    /// Like `build_span`, or, with `extend = Some(b)`, map the handles right after clean free
+    /// block `b` (which ends its run and has free address space after it) and grow `b`.
+    fn build<D: Driver + ?Sized>(
+        &mut self,
+        d: &D,
         mut chosen: Vec<Cand>,
         create: u64,
         pool: Pool,
+        extend: Option<u32>,
     ) -> Result<Grow> {
         let _span =
             tracing::debug_span!("build_span", moved = chosen.len(), create, ?pool).entered();
@@ -1058,9 +1178,28 @@ impl Engine {
             hids.push(c.hid);
         }
         hids.extend(fresh);
-        // 3. Map them side by side in fresh address space, then grant access once.
+        // 3. Map them side by side in fresh address space (or right after the block being
+        //    extended), then grant access once.
         let total: u64 = hids.iter().map(|&h| self.hsize(h)).sum();
-        let base = match self.va_alloc(d, total) {
+        let placed = match extend {
+            Some(b) => {
+                let x = &self.blocks[b as usize];
+                let end = x.addr + x.size;
+                if self.va.take_exact(end, total) {
+                    Ok(end)
+                } else {
+                    self.va_alloc(d, total)
+                }
+            }
+            None => self.va_alloc(d, total),
+        };
+        let extend = extend.filter(|&b| {
+            placed.as_ref().is_ok_and(|&p| {
+                let x = &self.blocks[b as usize];
+                p == x.addr + x.size
+            })
+        });
+        let base = match placed {
             Ok(b) => b,
             Err(e) => {
                 self.unmapped.extend(hids);
@@ -1095,17 +1234,29 @@ impl Engine {
             self.stats.stitched_handles += moved;
             tracing::debug!(moved, total, "stitched free handles into a new span");
         }
-        let i = self.new_block(Block {
-            addr: base,
-            size: total,
-            prev: NIL,
-            next: NIL,
-            fprev: NIL,
-            fnext: NIL,
-            pool,
-            state: State::Free { owner: 0, seq: 0 },
-        });
-        self.bins[0][pool as usize].insert(&mut self.blocks, i);
+        match extend {
+            Some(b) => {
+                // `b` is still a clean free block ending its run (carving only ever removes
+                // handles that lie wholly inside other blocks, or splits off pieces below).
+                self.bins[0][pool as usize].remove(&mut self.blocks, b);
+                self.blocks[b as usize].size += total;
+                self.bins[0][pool as usize].insert(&mut self.blocks, b);
+                self.stats.extensions += 1;
+            }
+            None => {
+                let i = self.new_block(Block {
+                    addr: base,
+                    size: total,
+                    prev: NIL,
+                    next: NIL,
+                    fprev: NIL,
+                    fnext: NIL,
+                    pool,
+                    state: State::Free { owner: 0, seq: 0 },
+                });
+                self.bins[0][pool as usize].insert(&mut self.blocks, i);
+            }
+        }
         Ok(Grow::Done)
     }
 
@@ -1140,6 +1291,9 @@ impl Engine {
 
     /// Release every free handle (and retry quarantined ones). Returns bytes released.
     pub(crate) fn empty_cache<D: Driver + ?Sized>(&mut self, d: &D) -> Result<u64> {
+        if self.shut_down {
+            return Err(AllocError::ShutDown);
+        }
         self.poll(d, false)?;
         let mut released = self.retry_quarantine(d);
         let cands = self.free_handles();
@@ -1188,7 +1342,11 @@ impl Engine {
         for (addr, hid) in std::mem::take(&mut self.mapped) {
             let size = self.hsize(hid);
             match self.drv(DriverOp::Unmap, || d.unmap(addr, size)) {
-                Ok(()) => self.unmapped.push(hid),
+                Ok(()) => {
+                    self.handles[hid as usize].as_mut().expect("handle").at = None;
+                    self.stats.mapped.sub(size);
+                    self.unmapped.push(hid);
+                }
                 Err(e) => tracing::error!(%e, addr, "unmap failed during teardown"),
             }
         }
@@ -1209,6 +1367,12 @@ impl Engine {
         for b in &mut self.bins {
             *b = Default::default();
         }
+        // Leaked allocations are gone with their memory.
+        let s = &mut self.stats;
+        s.requested.current = 0;
+        s.allocated.current = 0;
+        s.live_allocations.current = 0;
+        s.pending_free = 0;
         self.shut_down = true;
         leaked
     }

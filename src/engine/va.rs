@@ -61,6 +61,46 @@ impl VaSpace {
         Some(start)
     }
 
+    /// Take `len` bytes from the middle of the largest free range, aligned to `align`, so
+    /// that runs placed there can later grow in place at either end. `None` if the largest
+    /// range is shorter than `2 * len` (the caller then reserves more space, or falls back to
+    /// `alloc`).
+    pub(crate) fn alloc_spread(&mut self, len: u64, align: u64) -> Option<u64> {
+        let &(flen, fstart) = self.by_size.iter().next_back()?;
+        if flen < len.checked_mul(2)? {
+            return None;
+        }
+        let start = (fstart + (flen - len) / 2) / align * align;
+        debug_assert!(start >= fstart && start + len <= fstart + flen);
+        self.take_exact(start, len).then_some(start)
+    }
+
+    /// Whether `[start, start+len)` is entirely free.
+    pub(crate) fn is_free(&self, start: u64, len: u64) -> bool {
+        self.free
+            .range(..=start)
+            .next_back()
+            .is_some_and(|(&s, &l)| start + len <= s + l)
+    }
+
+    /// Take exactly `[start, start+len)` if it is entirely free.
+    pub(crate) fn take_exact(&mut self, start: u64, len: u64) -> bool {
+        let Some((&s, &l)) = self.free.range(..=start).next_back() else {
+            return false;
+        };
+        if start + len > s + l {
+            return false;
+        }
+        self.remove(s);
+        if start > s {
+            self.insert(s, start - s);
+        }
+        if s + l > start + len {
+            self.insert(start + len, s + l - (start + len));
+        }
+        true
+    }
+
     /// Return `[start, start+len)`, which must be mapped space inside one reservation.
     pub(crate) fn free(&mut self, start: u64, len: u64) {
         let (rb, rs) = self.reservation_of(start).expect("range is reserved");
@@ -153,5 +193,12 @@ mod tests {
         v.validate().unwrap();
         assert_eq!(v.free_bytes(), 200);
         assert_eq!(v.alloc(100), Some(0));
+        // Spread placement takes the middle of the largest range.
+        assert_eq!(v.alloc_spread(20, 10), Some(140));
+        assert!(v.is_free(160, 40) && !v.is_free(150, 20));
+        assert!(v.take_exact(160, 10));
+        assert!(!v.take_exact(165, 10));
+        assert!(v.alloc_spread(60, 10).is_none(), "needs twice the length");
+        v.validate().unwrap();
     }
 }

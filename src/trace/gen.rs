@@ -381,7 +381,7 @@ pub fn llm(p: &LlmParams, seed: u64) -> Trace {
             })
             .collect();
         // Free out of order; a few outlive the step.
-        temps.extend(carry.drain(..));
+        temps.append(&mut carry);
         r.shuffle(&mut temps);
         for t in temps {
             if r.chance(0.15) {
@@ -390,7 +390,7 @@ pub fn llm(p: &LlmParams, seed: u64) -> Trace {
                 b.free(t);
             }
         }
-        smalls.extend(small_carry.drain(..));
+        smalls.append(&mut small_carry);
         r.shuffle(&mut smalls);
         for t in smalls {
             if r.chance(0.1) {

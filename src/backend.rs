@@ -1,0 +1,241 @@
+//! Choosing a driver at run time: [`AnyDriver`] is one of the backends behind one type.
+#![forbid(unsafe_code)]
+
+use crate::driver::{
+    CudaDriver, DevAddr, Driver, DriverError, DriverResult, EventId, HostDriver, MemInfo,
+    PhysHandle, SimDriver, Stream,
+};
+
+/// Any of the crate's backends, chosen at run time (for command-line tools, benchmarks and
+/// tests that run on a GPU when there is one and on the simulator otherwise).
+///
+/// ```
+/// use stitch_alloc::{Allocator, AnyDriver, Config, Driver, Stream};
+/// let d = AnyDriver::auto(); // CUDA device 0 if usable, else the simulator
+/// println!("running on {}", d.name());
+/// let a = Allocator::new(d, Config::default()).unwrap();
+/// let p = a.alloc(64 << 20, Stream::DEFAULT).unwrap();
+/// a.free(p, Stream::DEFAULT).unwrap();
+/// ```
+#[derive(Debug)]
+pub enum AnyDriver {
+    /// The accounting-only simulator.
+    Sim(SimDriver),
+    /// Operating-system virtual memory.
+    Host(HostDriver),
+    /// A real CUDA device.
+    Cuda(CudaDriver),
+}
+
+/// Why [`AnyDriver::from_name`] could not give a driver.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum BackendError {
+    /// The name is none of `auto`, `sim`, `host`, `cuda`.
+    #[error("unknown backend {0:?}: expected one of auto, sim, host, cuda")]
+    UnknownName(String),
+    /// The backend exists but could not be opened (no GPU, no libcuda, host limits, ...).
+    #[error("backend {name} is unavailable: {source}")]
+    Unavailable {
+        /// The backend asked for.
+        name: &'static str,
+        /// The driver's error.
+        #[source]
+        source: DriverError,
+    },
+}
+
+impl AnyDriver {
+    /// The names [`AnyDriver::from_name`] accepts.
+    pub const NAMES: [&'static str; 4] = ["auto", "sim", "host", "cuda"];
+
+    /// CUDA device 0 when [`CudaDriver::available`], else a simulated H200
+    /// ([`SimDriver::new`]). Never fails: if the GPU cannot be opened after all, the reason is
+    /// logged and the simulator is used.
+    ///
+    /// ```
+    /// use stitch_alloc::{AnyDriver, Driver};
+    /// let d = AnyDriver::auto();
+    /// assert!(d.name() == "cuda" || d.name() == "sim");
+    /// ```
+    pub fn auto() -> Self {
+        if CudaDriver::available() {
+            match CudaDriver::new(0) {
+                Ok(d) => return AnyDriver::Cuda(d),
+                Err(e) => tracing::warn!(%e, "CUDA device 0 is unusable; using the simulator"),
+            }
+        }
+        AnyDriver::Sim(SimDriver::new())
+    }
+
+    /// The backend called `name` (case-insensitive): `"auto"` ([`AnyDriver::auto`]),
+    /// `"sim"` ([`SimDriver::new`]), `"host"` ([`HostDriver::new`]) or `"cuda"` (device 0).
+    ///
+    /// ```
+    /// use stitch_alloc::{AnyDriver, BackendError, Driver};
+    /// assert_eq!(AnyDriver::from_name("sim").unwrap().name(), "sim");
+    /// assert!(matches!(AnyDriver::from_name("tpu"), Err(BackendError::UnknownName(_))));
+    /// match AnyDriver::from_name("cuda") {
+    ///     Ok(d) => assert_eq!(d.name(), "cuda"),
+    ///     Err(e) => eprintln!("{e}"), // no GPU here
+    /// }
+    /// ```
+    pub fn from_name(name: &str) -> Result<Self, BackendError> {
+        match name.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(Self::auto()),
+            "sim" => Ok(AnyDriver::Sim(SimDriver::new())),
+            "host" => {
+                HostDriver::new()
+                    .map(AnyDriver::Host)
+                    .map_err(|source| BackendError::Unavailable {
+                        name: "host",
+                        source,
+                    })
+            }
+            "cuda" => CudaDriver::new(0).map(AnyDriver::Cuda).map_err(|source| {
+                BackendError::Unavailable {
+                    name: "cuda",
+                    source,
+                }
+            }),
+            _ => Err(BackendError::UnknownName(name.to_string())),
+        }
+    }
+
+    /// The driver as a trait object.
+    ///
+    /// ```
+    /// use stitch_alloc::AnyDriver;
+    /// assert_eq!(AnyDriver::from_name("sim").unwrap().as_dyn().name(), "sim");
+    /// ```
+    pub fn as_dyn(&self) -> &dyn Driver {
+        match self {
+            AnyDriver::Sim(d) => d,
+            AnyDriver::Host(d) => d,
+            AnyDriver::Cuda(d) => d,
+        }
+    }
+}
+
+impl From<SimDriver> for AnyDriver {
+    fn from(d: SimDriver) -> Self {
+        AnyDriver::Sim(d)
+    }
+}
+
+impl From<HostDriver> for AnyDriver {
+    fn from(d: HostDriver) -> Self {
+        AnyDriver::Host(d)
+    }
+}
+
+impl From<CudaDriver> for AnyDriver {
+    fn from(d: CudaDriver) -> Self {
+        AnyDriver::Cuda(d)
+    }
+}
+
+/// Delegates every call to the chosen backend.
+impl Driver for AnyDriver {
+    fn name(&self) -> &'static str {
+        self.as_dyn().name()
+    }
+    fn granularity(&self) -> u64 {
+        self.as_dyn().granularity()
+    }
+    fn mem_info(&self) -> DriverResult<MemInfo> {
+        self.as_dyn().mem_info()
+    }
+    fn reserve(&self, size: u64) -> DriverResult<DevAddr> {
+        self.as_dyn().reserve(size)
+    }
+    fn free_reservation(&self, base: DevAddr, size: u64) -> DriverResult<()> {
+        self.as_dyn().free_reservation(base, size)
+    }
+    fn create(&self, size: u64) -> DriverResult<PhysHandle> {
+        self.as_dyn().create(size)
+    }
+    fn release(&self, handle: PhysHandle) -> DriverResult<()> {
+        self.as_dyn().release(handle)
+    }
+    fn map(&self, addr: DevAddr, size: u64, handle: PhysHandle) -> DriverResult<()> {
+        self.as_dyn().map(addr, size, handle)
+    }
+    fn unmap(&self, addr: DevAddr, size: u64) -> DriverResult<()> {
+        self.as_dyn().unmap(addr, size)
+    }
+    fn set_access(&self, addr: DevAddr, size: u64) -> DriverResult<()> {
+        self.as_dyn().set_access(addr, size)
+    }
+    fn record_event(&self, stream: Stream) -> DriverResult<EventId> {
+        self.as_dyn().record_event(stream)
+    }
+    fn query_event(&self, event: EventId) -> DriverResult<bool> {
+        self.as_dyn().query_event(event)
+    }
+    fn wait_event(&self, event: EventId) -> DriverResult<()> {
+        self.as_dyn().wait_event(event)
+    }
+    fn destroy_event(&self, event: EventId) -> DriverResult<()> {
+        self.as_dyn().destroy_event(event)
+    }
+    fn write(&self, addr: DevAddr, data: &[u8]) -> DriverResult<()> {
+        self.as_dyn().write(addr, data)
+    }
+    fn read(&self, addr: DevAddr, buf: &mut [u8]) -> DriverResult<()> {
+        self.as_dyn().read(addr, buf)
+    }
+    fn has_data(&self) -> bool {
+        self.as_dyn().has_data()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn auto_picks_cuda_only_when_available() {
+        let d = AnyDriver::auto();
+        let want = if CudaDriver::available() {
+            "cuda"
+        } else {
+            "sim"
+        };
+        assert_eq!(d.name(), want);
+    }
+
+    #[test]
+    fn names() {
+        assert_eq!(AnyDriver::from_name("sim").unwrap().name(), "sim");
+        assert_eq!(AnyDriver::from_name(" SIM ").unwrap().name(), "sim");
+        assert!(!AnyDriver::from_name("sim").unwrap().has_data());
+        let host = AnyDriver::from_name("host").unwrap();
+        assert_eq!(host.name(), "host");
+        assert!(host.has_data());
+        match AnyDriver::from_name("gpu") {
+            Err(BackendError::UnknownName(n)) => assert_eq!(n, "gpu"),
+            other => panic!("expected UnknownName, got {other:?}"),
+        }
+        for n in AnyDriver::NAMES {
+            if n != "cuda" {
+                assert!(AnyDriver::from_name(n).is_ok(), "{n}");
+            }
+        }
+    }
+
+    #[test]
+    fn cuda_by_name_matches_availability() {
+        match AnyDriver::from_name("cuda") {
+            Ok(d) => {
+                assert!(CudaDriver::available());
+                assert_eq!(d.name(), "cuda");
+            }
+            Err(e) => {
+                assert!(!CudaDriver::available());
+                assert!(matches!(e, BackendError::Unavailable { name: "cuda", .. }));
+                assert!(e.to_string().contains("cuda"), "{e}");
+            }
+        }
+    }
+}

@@ -1,0 +1,839 @@
+//! `CudaDriver`: the real GPU backend, on the CUDA driver API's virtual memory management
+//! calls (`cuMemAddressReserve`, `cuMemCreate`, `cuMemMap`, `cuMemSetAccess`, ...).
+//!
+//! `libcuda` is loaded at run time (cudarc's `dynamic-loading`), so binaries built on a
+//! machine without CUDA run unchanged on a GPU machine. Before the first call this module
+//! checks that the library loads and exports every symbol it uses, so a missing library or
+//! an old driver becomes a [`DriverError`] instead of a panic inside cudarc.
+//!
+//! This module holds all of the crate's CUDA `unsafe` code.
+
+use super::{
+    code, DevAddr, Driver, DriverError, DriverOp, DriverResult, EventId, MemInfo, PhysHandle,
+    Stream,
+};
+use cudarc::driver::sys;
+use parking_lot::Mutex;
+use std::ffi::{c_char, c_int, c_void, CStr};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::OnceLock;
+
+/// Every libcuda symbol this module calls. All are probed before the first call: cudarc's
+/// dynamic loader panics on a missing symbol.
+const SYMBOLS: &[&str] = &[
+    "cuInit",
+    "cuDriverGetVersion",
+    "cuDeviceGetCount",
+    "cuDeviceGet",
+    "cuDeviceGetAttribute",
+    "cuDeviceGetName",
+    "cuDeviceCanAccessPeer",
+    "cuDevicePrimaryCtxRetain",
+    "cuDevicePrimaryCtxRelease_v2",
+    "cuCtxGetCurrent",
+    "cuCtxSetCurrent",
+    "cuCtxSynchronize",
+    "cuGetErrorName",
+    "cuGetErrorString",
+    "cuMemGetAllocationGranularity",
+    "cuMemGetInfo_v2",
+    "cuMemAddressReserve",
+    "cuMemAddressFree",
+    "cuMemCreate",
+    "cuMemRelease",
+    "cuMemMap",
+    "cuMemUnmap",
+    "cuMemSetAccess",
+    "cuEventCreate",
+    "cuEventRecord",
+    "cuEventQuery",
+    "cuEventSynchronize",
+    "cuEventDestroy_v2",
+    "cuMemcpyHtoD_v2",
+    "cuMemcpyDtoH_v2",
+];
+
+/// `CUDA_ERROR_NO_DEVICE`: used when libcuda cannot be loaded at all.
+const NO_DEVICE: i64 = 100;
+
+/// At most this many destroyed events are kept for reuse.
+const EVENT_POOL_MAX: usize = 256;
+
+/// What loading and initialising libcuda found (once per process).
+#[derive(Clone, Debug)]
+struct LibInfo {
+    driver_version: i32,
+    device_count: i32,
+}
+
+static LIB: OnceLock<Result<LibInfo, DriverError>> = OnceLock::new();
+
+/// Set once libcuda is loaded and every symbol in [`SYMBOLS`] is known to exist: only then
+/// may [`describe`] ask the driver for error names.
+static SYMBOLS_OK: AtomicBool = AtomicBool::new(false);
+
+/// Load libcuda, check its symbols, `cuInit(0)` and count devices, once per process.
+/// Never panics: every failure is an error value.
+fn lib() -> Result<&'static LibInfo, DriverError> {
+    LIB.get_or_init(|| {
+        // cudarc's loader panics on failure; the checks below should make that impossible,
+        // and `catch_unwind` turns any panic that slips through into an error (with the
+        // default `panic = "unwind"`).
+        std::panic::catch_unwind(load_and_init).unwrap_or_else(|_| {
+            Err(init_error(
+                NO_DEVICE,
+                "loading libcuda panicked inside cudarc (see the panic message above)",
+            ))
+        })
+    })
+    .as_ref()
+    .map_err(Clone::clone)
+}
+
+fn init_error(code: i64, message: impl Into<String>) -> DriverError {
+    // `DriverOp` has no "init" kind; device set-up failures are reported as `MemInfo`, the
+    // first query the allocator makes of a driver. The message names the real call.
+    DriverError::new(DriverOp::MemInfo, code, message)
+}
+
+fn load_and_init() -> Result<LibInfo, DriverError> {
+    // SAFETY: `is_culib_present` dlopens candidate libcuda names; loading a library runs its
+    // initialisers, which for the NVIDIA driver library have no preconditions. It returns
+    // false (no panic) when none loads.
+    if !unsafe { sys::is_culib_present() } {
+        return Err(init_error(
+            NO_DEVICE,
+            "libcuda could not be loaded (no libcuda.so / libcuda.so.1 on the loader path): \
+             no NVIDIA driver on this machine",
+        ));
+    }
+    // SAFETY: the library is known to load, so `culib` (which panics only when no candidate
+    // loads) returns it; it stays loaded for the life of the process.
+    let culib = unsafe { sys::culib() };
+    let missing: Vec<&str> = SYMBOLS
+        .iter()
+        .copied()
+        // SAFETY: the symbol is only looked up, never called, so its type does not matter.
+        .filter(|s| unsafe { culib.get::<*const c_void>(s.as_bytes()) }.is_err())
+        .collect();
+    if !missing.is_empty() {
+        return Err(init_error(
+            code::NOT_SUPPORTED,
+            format!(
+                "libcuda lacks {} (driver too old for this build): {}",
+                if missing.len() == 1 {
+                    "a symbol"
+                } else {
+                    "symbols"
+                },
+                missing.join(", ")
+            ),
+        ));
+    }
+    SYMBOLS_OK.store(true, Ordering::Release);
+    // SAFETY: every symbol is present; cuInit takes flags 0 and may be called repeatedly.
+    check_init("cuInit", unsafe { sys::cuInit(0) })?;
+    let mut driver_version: c_int = 0;
+    // SAFETY: a valid out-pointer to a c_int.
+    check_init("cuDriverGetVersion", unsafe {
+        sys::cuDriverGetVersion(&mut driver_version)
+    })?;
+    let mut device_count: c_int = 0;
+    // SAFETY: a valid out-pointer to a c_int; cuInit succeeded.
+    check_init("cuDeviceGetCount", unsafe {
+        sys::cuDeviceGetCount(&mut device_count)
+    })?;
+    Ok(LibInfo {
+        driver_version,
+        device_count,
+    })
+}
+
+fn check_init(call: &str, r: sys::CUresult) -> Result<(), DriverError> {
+    check(DriverOp::MemInfo, call, r)
+}
+
+/// The name and description of a `CUresult` (`"CUDA_ERROR_OUT_OF_MEMORY"`, `"out of memory"`).
+fn describe(r: sys::CUresult) -> (String, String) {
+    if !SYMBOLS_OK.load(Ordering::Acquire) {
+        // Calling into cudarc now would panic for want of the library.
+        return (format!("{r:?}"), "libcuda not loaded".into());
+    }
+    let fetch = |f: unsafe fn(sys::CUresult, *mut *const c_char) -> sys::CUresult| {
+        let mut p: *const c_char = std::ptr::null();
+        // SAFETY: `SYMBOLS_OK` says every symbol exists; `p` is a valid out-pointer.
+        // On success the driver points it at a static NUL-terminated string.
+        let ok = unsafe { f(r, &mut p) } == sys::CUresult::CUDA_SUCCESS && !p.is_null();
+        // SAFETY: `p` is non-null and points at the driver's static C string.
+        ok.then(|| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
+    };
+    let name = fetch(sys::cuGetErrorName).unwrap_or_else(|| format!("{r:?}"));
+    let text = fetch(sys::cuGetErrorString).unwrap_or_else(|| "no description".into());
+    (name, text)
+}
+
+/// Turn a `CUresult` into `Ok` or a [`DriverError`] naming `call`.
+fn check(op: DriverOp, call: &str, r: sys::CUresult) -> DriverResult<()> {
+    if r == sys::CUresult::CUDA_SUCCESS {
+        return Ok(());
+    }
+    let (name, text) = describe(r);
+    let code = if r == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+        code::OUT_OF_MEMORY
+    } else {
+        r as u32 as i64
+    };
+    Err(DriverError::new(
+        op,
+        code,
+        format!("{call}: {name} ({text})"),
+    ))
+}
+
+/// The real GPU backend: one device, its primary context, and CUDA VMM calls.
+///
+/// Physical memory is pinned device memory of the chosen device (`cuMemCreate` with
+/// `CU_MEM_ALLOCATION_TYPE_PINNED`); [`Driver::set_access`] grants read-write access to the
+/// device and to any peer devices given to [`CudaDriver::with_peers`]. Streams passed to
+/// [`Driver::record_event`] must belong to the device's primary context (as PyTorch's do).
+///
+/// Every call makes the primary context current on the calling thread first (when it is not
+/// already), so the driver can be used from any thread.
+///
+/// ```
+/// use stitch_alloc::driver::{CudaDriver, Driver};
+/// if !CudaDriver::available() {
+///     return; // no GPU here
+/// }
+/// let gpu = CudaDriver::new(0).unwrap();
+/// let g = gpu.granularity();
+/// let va = gpu.reserve(4 * g).unwrap();
+/// let h = gpu.create(g).unwrap();
+/// gpu.map(va, g, h).unwrap();
+/// gpu.set_access(va, g).unwrap();
+/// gpu.write(va, b"hello").unwrap();
+/// let mut buf = [0u8; 5];
+/// gpu.read(va, &mut buf).unwrap();
+/// assert_eq!(&buf, b"hello");
+/// gpu.unmap(va, g).unwrap();
+/// gpu.release(h).unwrap();
+/// gpu.free_reservation(va, 4 * g).unwrap();
+/// ```
+pub struct CudaDriver {
+    ordinal: i32,
+    device: sys::CUdevice,
+    /// The retained primary context (a `CUcontext`, kept as an integer so the driver is
+    /// `Send + Sync`; the CUDA driver API is thread-safe).
+    ctx: usize,
+    granularity: u64,
+    /// One read-write access descriptor per device that gets access (the device first).
+    access: Vec<sys::CUmemAccessDesc>,
+    /// Destroyed events kept for reuse (raw `CUevent` values).
+    event_pool: Mutex<Vec<u64>>,
+    driver_version: i32,
+    device_name: String,
+}
+
+impl std::fmt::Debug for CudaDriver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaDriver")
+            .field("ordinal", &self.ordinal)
+            .field("device_name", &self.device_name)
+            .field("granularity", &self.granularity)
+            .field("peers", &self.peers())
+            .field("driver_version", &self.driver_version)
+            .finish()
+    }
+}
+
+impl CudaDriver {
+    /// Whether a CUDA device can be used: libcuda loads, exports every call this backend
+    /// needs, `cuInit` succeeds and at least one device exists.
+    ///
+    /// Never panics or aborts, also on machines with no NVIDIA driver at all. The result is
+    /// computed once per process.
+    ///
+    /// ```
+    /// use stitch_alloc::driver::CudaDriver;
+    /// if CudaDriver::available() {
+    ///     println!("{} CUDA device(s)", CudaDriver::device_count());
+    /// }
+    /// ```
+    pub fn available() -> bool {
+        lib().is_ok_and(|l| l.device_count > 0)
+    }
+
+    /// Number of CUDA devices (0 when CUDA is unavailable).
+    ///
+    /// ```
+    /// use stitch_alloc::driver::CudaDriver;
+    /// assert_eq!(CudaDriver::available(), CudaDriver::device_count() > 0);
+    /// ```
+    pub fn device_count() -> i32 {
+        lib().map_or(0, |l| l.device_count)
+    }
+
+    /// Why CUDA is unavailable, or `None` when it is available.
+    ///
+    /// ```
+    /// use stitch_alloc::driver::CudaDriver;
+    /// if let Some(why) = CudaDriver::unavailable_reason() {
+    ///     eprintln!("no GPU: {why}");
+    /// }
+    /// ```
+    pub fn unavailable_reason() -> Option<String> {
+        match lib() {
+            Err(e) => Some(e.message.clone()),
+            Ok(l) if l.device_count == 0 => Some("cuDeviceGetCount found no CUDA device".into()),
+            Ok(_) => None,
+        }
+    }
+
+    /// Open device `device_ordinal`: initialise the driver, retain the device's primary
+    /// context and query the mapping granularity.
+    ///
+    /// Fails with a [`DriverError`] (never a panic) when libcuda is missing, the ordinal is
+    /// out of range, or the device lacks virtual memory management. Set-up failures carry
+    /// `op == DriverOp::MemInfo` (there is no separate "init" kind) and name the failing call
+    /// in the message.
+    ///
+    /// ```
+    /// use stitch_alloc::driver::CudaDriver;
+    /// match CudaDriver::new(0) {
+    ///     Ok(gpu) => println!("{gpu:?}"),
+    ///     Err(e) => eprintln!("no GPU: {e}"),
+    /// }
+    /// ```
+    pub fn new(device_ordinal: i32) -> DriverResult<Self> {
+        Self::with_peers(device_ordinal, &[])
+    }
+
+    /// Like [`CudaDriver::new`], and every [`Driver::set_access`] also grants read-write
+    /// access to the devices in `peers` (one `CUmemAccessDesc` per device). Each peer must be
+    /// able to access the device (`cuDeviceCanAccessPeer`).
+    ///
+    /// ```no_run
+    /// use stitch_alloc::driver::CudaDriver;
+    /// // Memory on GPU 0 that GPUs 1 and 2 may read and write.
+    /// let gpu = CudaDriver::with_peers(0, &[1, 2]).unwrap();
+    /// assert_eq!(gpu.peers(), vec![1, 2]);
+    /// ```
+    pub fn with_peers(device_ordinal: i32, peers: &[i32]) -> DriverResult<Self> {
+        let info = lib()?;
+        if device_ordinal < 0 || device_ordinal >= info.device_count {
+            return Err(init_error(
+                code::INVALID_VALUE,
+                format!(
+                    "cuDeviceGet: device ordinal {device_ordinal} is out of range ({} device(s))",
+                    info.device_count
+                ),
+            ));
+        }
+        let device = get_device(device_ordinal)?;
+
+        let mut vmm: c_int = 0;
+        // SAFETY: `lib()` succeeded, so every symbol exists and cuInit ran; valid out-pointer.
+        check_init("cuDeviceGetAttribute", unsafe {
+            sys::cuDeviceGetAttribute(
+                &mut vmm,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+                device,
+            )
+        })?;
+        if vmm == 0 {
+            return Err(init_error(
+                code::NOT_SUPPORTED,
+                format!("device {device_ordinal} does not support virtual memory management"),
+            ));
+        }
+
+        let mut name_buf = [0 as c_char; 256];
+        // SAFETY: the buffer holds `len` bytes; the driver NUL-terminates within them.
+        let name_ok =
+            unsafe { sys::cuDeviceGetName(name_buf.as_mut_ptr(), name_buf.len() as c_int, device) }
+                == sys::CUresult::CUDA_SUCCESS;
+        let device_name = if name_ok {
+            // SAFETY: on success the buffer holds a NUL-terminated string.
+            unsafe { CStr::from_ptr(name_buf.as_ptr()) }
+                .to_string_lossy()
+                .into_owned()
+        } else {
+            format!("CUDA device {device_ordinal}")
+        };
+
+        let mut access = vec![access_desc(device)];
+        for &p in peers {
+            if p == device_ordinal {
+                continue;
+            }
+            if p < 0 || p >= info.device_count {
+                return Err(init_error(
+                    code::INVALID_VALUE,
+                    format!(
+                        "peer device ordinal {p} is out of range ({} device(s))",
+                        info.device_count
+                    ),
+                ));
+            }
+            let peer = get_device(p)?;
+            let mut can: c_int = 0;
+            // SAFETY: valid out-pointer and device handles from cuDeviceGet.
+            check_init("cuDeviceCanAccessPeer", unsafe {
+                sys::cuDeviceCanAccessPeer(&mut can, peer, device)
+            })?;
+            if can == 0 {
+                return Err(init_error(
+                    code::NOT_SUPPORTED,
+                    format!(
+                        "cuDeviceCanAccessPeer: device {p} cannot access device {device_ordinal}"
+                    ),
+                ));
+            }
+            if !access.iter().any(|d| d.location.id == peer) {
+                access.push(access_desc(peer));
+            }
+        }
+
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: valid out-pointer and device handle; balanced by the release in `Drop`.
+        check_init("cuDevicePrimaryCtxRetain", unsafe {
+            sys::cuDevicePrimaryCtxRetain(&mut ctx, device)
+        })?;
+        // From here on `Drop` releases the context, also on the error paths below.
+        let mut drv = CudaDriver {
+            ordinal: device_ordinal,
+            device,
+            ctx: ctx as usize,
+            granularity: 0,
+            access,
+            event_pool: Mutex::new(Vec::new()),
+            driver_version: info.driver_version,
+            device_name,
+        };
+        drv.bind(DriverOp::MemInfo)?;
+        let prop = drv.prop();
+        let mut g: usize = 0;
+        // SAFETY: `prop` is a fully initialised allocation property; valid out-pointer.
+        check_init("cuMemGetAllocationGranularity", unsafe {
+            sys::cuMemGetAllocationGranularity(
+                &mut g,
+                &prop,
+                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+            )
+        })?;
+        if g == 0 || !g.is_power_of_two() {
+            return Err(init_error(
+                code::NOT_SUPPORTED,
+                format!("cuMemGetAllocationGranularity: unexpected granularity {g}"),
+            ));
+        }
+        drv.granularity = g as u64;
+        tracing::info!(
+            ordinal = device_ordinal,
+            device = %drv.device_name,
+            granularity = g,
+            driver_version = info.driver_version,
+            peers = ?drv.peers(),
+            "CUDA device opened"
+        );
+        Ok(drv)
+    }
+
+    /// The device ordinal this driver allocates on.
+    ///
+    /// ```no_run
+    /// # use stitch_alloc::driver::CudaDriver;
+    /// assert_eq!(CudaDriver::new(0).unwrap().ordinal(), 0);
+    /// ```
+    pub fn ordinal(&self) -> i32 {
+        self.ordinal
+    }
+
+    /// The device's name (`"NVIDIA H200"`).
+    ///
+    /// ```no_run
+    /// # use stitch_alloc::driver::CudaDriver;
+    /// println!("{}", CudaDriver::new(0).unwrap().device_name());
+    /// ```
+    pub fn device_name(&self) -> &str {
+        &self.device_name
+    }
+
+    /// The CUDA driver's version (`cuDriverGetVersion`, e.g. 13000 for CUDA 13.0).
+    ///
+    /// ```no_run
+    /// # use stitch_alloc::driver::CudaDriver;
+    /// assert!(CudaDriver::new(0).unwrap().driver_version() >= 11000);
+    /// ```
+    pub fn driver_version(&self) -> i32 {
+        self.driver_version
+    }
+
+    /// The peer devices that [`Driver::set_access`] also grants access to.
+    ///
+    /// ```no_run
+    /// # use stitch_alloc::driver::CudaDriver;
+    /// assert!(CudaDriver::new(0).unwrap().peers().is_empty());
+    /// ```
+    pub fn peers(&self) -> Vec<i32> {
+        self.access[1..].iter().map(|d| d.location.id).collect()
+    }
+
+    /// The allocation property for `cuMemCreate` and the granularity query: pinned memory on
+    /// this device, no exportable handle type.
+    fn prop(&self) -> sys::CUmemAllocationProp {
+        sys::CUmemAllocationProp {
+            type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
+            requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+            location: sys::CUmemLocation {
+                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                id: self.device,
+            },
+            win32HandleMetaData: std::ptr::null_mut(),
+            allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
+                compressionType: 0,
+                gpuDirectRDMACapable: 0,
+                usage: 0,
+                reserved: [0; 4],
+            },
+        }
+    }
+
+    /// Make the primary context current on this thread, unless it already is.
+    fn bind(&self, op: DriverOp) -> DriverResult<()> {
+        let mut cur: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; `lib()` succeeded when `self` was built.
+        check(op, "cuCtxGetCurrent", unsafe {
+            sys::cuCtxGetCurrent(&mut cur)
+        })?;
+        if cur as usize != self.ctx {
+            // SAFETY: `self.ctx` is the primary context retained in `with_peers` and held
+            // until `Drop`.
+            check(op, "cuCtxSetCurrent", unsafe {
+                sys::cuCtxSetCurrent(self.ctx as sys::CUcontext)
+            })?;
+        }
+        Ok(())
+    }
+
+    fn new_event(&self) -> DriverResult<u64> {
+        if let Some(ev) = self.event_pool.lock().pop() {
+            return Ok(ev);
+        }
+        let mut ev: sys::CUevent = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; the context is current (callers bind first).
+        check(DriverOp::RecordEvent, "cuEventCreate", unsafe {
+            sys::cuEventCreate(&mut ev, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
+        })?;
+        Ok(ev as u64)
+    }
+}
+
+fn get_device(ordinal: i32) -> DriverResult<sys::CUdevice> {
+    let mut device: sys::CUdevice = 0;
+    // SAFETY: valid out-pointer; `lib()` succeeded, so cuInit ran.
+    check_init("cuDeviceGet", unsafe {
+        sys::cuDeviceGet(&mut device, ordinal)
+    })?;
+    Ok(device)
+}
+
+fn access_desc(device: sys::CUdevice) -> sys::CUmemAccessDesc {
+    sys::CUmemAccessDesc {
+        location: sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: device,
+        },
+        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    }
+}
+
+fn usize_of(op: DriverOp, v: u64) -> DriverResult<usize> {
+    usize::try_from(v).map_err(|_| {
+        DriverError::new(
+            op,
+            code::INVALID_VALUE,
+            format!("{v} does not fit in usize"),
+        )
+    })
+}
+
+impl Driver for CudaDriver {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn granularity(&self) -> u64 {
+        self.granularity
+    }
+
+    fn mem_info(&self) -> DriverResult<MemInfo> {
+        self.bind(DriverOp::MemInfo)?;
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: valid out-pointers; the context is current.
+        check(DriverOp::MemInfo, "cuMemGetInfo", unsafe {
+            sys::cuMemGetInfo_v2(&mut free, &mut total)
+        })?;
+        Ok(MemInfo {
+            free: free as u64,
+            total: total as u64,
+        })
+    }
+
+    fn reserve(&self, size: u64) -> DriverResult<DevAddr> {
+        let op = DriverOp::Reserve;
+        self.bind(op)?;
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: valid out-pointer; alignment is the granularity (a power of two); no fixed
+        // address is requested (0) and flags must be 0.
+        check(op, "cuMemAddressReserve", unsafe {
+            sys::cuMemAddressReserve(
+                &mut ptr,
+                usize_of(op, size)?,
+                self.granularity as usize,
+                0,
+                0,
+            )
+        })?;
+        Ok(ptr)
+    }
+
+    fn free_reservation(&self, base: DevAddr, size: u64) -> DriverResult<()> {
+        let op = DriverOp::FreeReservation;
+        self.bind(op)?;
+        // SAFETY: only touches address space; the driver rejects a range that is not a whole
+        // earlier reservation.
+        check(op, "cuMemAddressFree", unsafe {
+            sys::cuMemAddressFree(base, usize_of(op, size)?)
+        })
+    }
+
+    fn create(&self, size: u64) -> DriverResult<PhysHandle> {
+        let op = DriverOp::Create;
+        self.bind(op)?;
+        let prop = self.prop();
+        let mut h: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: valid out-pointer and a fully initialised property; flags must be 0.
+        check(op, "cuMemCreate", unsafe {
+            sys::cuMemCreate(&mut h, usize_of(op, size)?, &prop, 0)
+        })?;
+        Ok(PhysHandle(h))
+    }
+
+    fn release(&self, handle: PhysHandle) -> DriverResult<()> {
+        let op = DriverOp::Release;
+        self.bind(op)?;
+        // SAFETY: the handle is an opaque integer the driver validates.
+        check(op, "cuMemRelease", unsafe { sys::cuMemRelease(handle.0) })
+    }
+
+    fn map(&self, addr: DevAddr, size: u64, handle: PhysHandle) -> DriverResult<()> {
+        let op = DriverOp::Map;
+        self.bind(op)?;
+        // SAFETY: maps into reserved address space only; the driver rejects ranges outside a
+        // reservation or overlapping a mapping. Offset and flags must be 0.
+        check(op, "cuMemMap", unsafe {
+            sys::cuMemMap(addr, usize_of(op, size)?, 0, handle.0, 0)
+        })
+    }
+
+    fn unmap(&self, addr: DevAddr, size: u64) -> DriverResult<()> {
+        let op = DriverOp::Unmap;
+        self.bind(op)?;
+        // SAFETY: unmapping only invalidates device addresses; the allocator fences in-flight
+        // work with events before it unmaps (no VMM call waits for the GPU).
+        check(op, "cuMemUnmap", unsafe {
+            sys::cuMemUnmap(addr, usize_of(op, size)?)
+        })
+    }
+
+    fn set_access(&self, addr: DevAddr, size: u64) -> DriverResult<()> {
+        let op = DriverOp::SetAccess;
+        self.bind(op)?;
+        // SAFETY: `access` holds `len` initialised descriptors; the driver validates the range.
+        check(op, "cuMemSetAccess", unsafe {
+            sys::cuMemSetAccess(
+                addr,
+                usize_of(op, size)?,
+                self.access.as_ptr(),
+                self.access.len(),
+            )
+        })
+    }
+
+    fn record_event(&self, stream: Stream) -> DriverResult<EventId> {
+        let op = DriverOp::RecordEvent;
+        self.bind(op)?;
+        let ev = self.new_event()?;
+        // SAFETY: `ev` is a live event of this context; `stream.0` is a CUstream of this
+        // context given by the caller (0 is the legacy default stream).
+        let r = unsafe { sys::cuEventRecord(ev as sys::CUevent, stream.0 as sys::CUstream) };
+        if let Err(e) = check(op, "cuEventRecord", r) {
+            let _ = self.destroy_event(EventId(ev));
+            return Err(e);
+        }
+        Ok(EventId(ev))
+    }
+
+    fn query_event(&self, event: EventId) -> DriverResult<bool> {
+        let op = DriverOp::QueryEvent;
+        self.bind(op)?;
+        // SAFETY: the event came from `record_event` and was not destroyed (caller's duty;
+        // the driver rejects most stale handles).
+        let r = unsafe { sys::cuEventQuery(event.0 as sys::CUevent) };
+        match r {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            _ => check(op, "cuEventQuery", r).map(|_| false),
+        }
+    }
+
+    fn wait_event(&self, event: EventId) -> DriverResult<()> {
+        let op = DriverOp::WaitEvent;
+        self.bind(op)?;
+        // SAFETY: as in `query_event`.
+        check(op, "cuEventSynchronize", unsafe {
+            sys::cuEventSynchronize(event.0 as sys::CUevent)
+        })
+    }
+
+    fn destroy_event(&self, event: EventId) -> DriverResult<()> {
+        {
+            let mut pool = self.event_pool.lock();
+            if pool.len() < EVENT_POOL_MAX && !pool.contains(&event.0) {
+                pool.push(event.0);
+                return Ok(());
+            }
+        }
+        let op = DriverOp::DestroyEvent;
+        self.bind(op)?;
+        // SAFETY: the event came from `record_event`; it is not in the pool, so it is
+        // destroyed once.
+        check(op, "cuEventDestroy", unsafe {
+            sys::cuEventDestroy_v2(event.0 as sys::CUevent)
+        })
+    }
+
+    fn write(&self, addr: DevAddr, data: &[u8]) -> DriverResult<()> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        let op = DriverOp::Copy;
+        self.bind(op)?;
+        // SAFETY: `data` is a live host buffer of `len` bytes; the driver checks that the
+        // device range is mapped and accessible.
+        check(op, "cuMemcpyHtoD", unsafe {
+            sys::cuMemcpyHtoD_v2(addr, data.as_ptr() as *const c_void, data.len())
+        })?;
+        // A copy from pageable memory may return before the DMA lands; wait, so that an
+        // unmap right after `write` cannot race it.
+        // SAFETY: no arguments; the context is current.
+        check(op, "cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
+    }
+
+    fn read(&self, addr: DevAddr, buf: &mut [u8]) -> DriverResult<()> {
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let op = DriverOp::Copy;
+        self.bind(op)?;
+        // SAFETY: `buf` is a live, writable host buffer of `len` bytes; the copy to pageable
+        // memory is synchronous, so it is complete when the call returns.
+        check(op, "cuMemcpyDtoH", unsafe {
+            sys::cuMemcpyDtoH_v2(buf.as_mut_ptr() as *mut c_void, addr, buf.len())
+        })
+    }
+
+    fn has_data(&self) -> bool {
+        true
+    }
+}
+
+impl Drop for CudaDriver {
+    fn drop(&mut self) {
+        let pooled = std::mem::take(&mut *self.event_pool.lock());
+        if !pooled.is_empty() && self.bind(DriverOp::DestroyEvent).is_ok() {
+            for ev in pooled {
+                // SAFETY: pooled events are live events of this context, each pooled once.
+                let r = unsafe { sys::cuEventDestroy_v2(ev as sys::CUevent) };
+                if let Err(e) = check(DriverOp::DestroyEvent, "cuEventDestroy", r) {
+                    tracing::warn!(%e, "destroying a pooled event failed");
+                }
+            }
+        }
+        // SAFETY: balances the cuDevicePrimaryCtxRetain in `with_peers` (exactly once).
+        let r = unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.device) };
+        if let Err(e) = check(DriverOp::MemInfo, "cuDevicePrimaryCtxRelease", r) {
+            tracing::warn!(%e, "releasing the primary context failed");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn availability_never_panics_and_agrees_with_new() {
+        let avail = CudaDriver::available();
+        assert_eq!(avail, CudaDriver::unavailable_reason().is_none());
+        assert_eq!(avail, CudaDriver::device_count() > 0);
+        assert_eq!(avail, CudaDriver::new(0).is_ok());
+    }
+
+    #[test]
+    fn without_libcuda_everything_is_an_error() {
+        // SAFETY: see `load_and_init`.
+        if unsafe { sys::is_culib_present() } {
+            eprintln!("SKIPPED (libcuda present): without_libcuda_everything_is_an_error");
+            return;
+        }
+        assert!(!CudaDriver::available());
+        let e = CudaDriver::new(0).unwrap_err();
+        assert!(e.message.contains("libcuda"), "{e}");
+        assert!(CudaDriver::with_peers(0, &[1]).is_err());
+        assert!(CudaDriver::unavailable_reason()
+            .unwrap()
+            .contains("libcuda"));
+    }
+
+    #[test]
+    fn bad_ordinals_are_errors() {
+        assert!(CudaDriver::new(-1).is_err());
+        assert!(CudaDriver::new(i32::MAX).is_err());
+    }
+
+    #[test]
+    fn error_codes_and_messages() {
+        assert!(check(DriverOp::Map, "cuMemMap", sys::CUresult::CUDA_SUCCESS).is_ok());
+        let e = check(
+            DriverOp::Create,
+            "cuMemCreate",
+            sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY,
+        )
+        .unwrap_err();
+        assert_eq!(e.code, code::OUT_OF_MEMORY);
+        assert_eq!(e.op, DriverOp::Create);
+        assert!(e.message.starts_with("cuMemCreate: "), "{}", e.message);
+        if !CudaDriver::available() {
+            // Without libcuda the name comes from the enum's Debug form.
+            assert!(
+                e.message.contains("CUDA_ERROR_OUT_OF_MEMORY"),
+                "{}",
+                e.message
+            );
+        }
+        let e = check(
+            DriverOp::Map,
+            "cuMemMap",
+            sys::CUresult::CUDA_ERROR_INVALID_VALUE,
+        )
+        .unwrap_err();
+        assert_eq!(e.code, 1);
+        assert!(
+            e.message.contains("CUDA_ERROR_INVALID_VALUE"),
+            "{}",
+            e.message
+        );
+    }
+}

@@ -1,0 +1,45 @@
+//! Proptest strategies over the shared `Op` language (see `stitch_alloc::testing`).
+#![allow(dead_code)]
+
+use proptest::prelude::*;
+use stitch_alloc::testing::Op;
+
+/// A size drawn from a mix of small, medium and large requests, scaled to `max`.
+pub fn size(max: u64) -> impl Strategy<Value = u64> {
+    let mid = (64u64 << 20).min(max / 4).max(2 << 20);
+    prop_oneof![
+        4 => 1u64..=(1 << 20),
+        4 => (1u64 << 20)..=mid,
+        2 => mid..=max / 2,
+        1 => Just(0u64),
+        1 => (max - max / 8)..=(max + 1),
+    ]
+}
+
+/// One operation; `streams` turns stream ops on.
+pub fn op(max: u64, streams: bool) -> impl Strategy<Value = Op> {
+    let alloc = (size(max), 0u8..3).prop_map(|(size, stream)| Op::Alloc { size, stream });
+    let free = any::<u32>().prop_map(|pick| Op::Free { pick });
+    if !streams {
+        return prop_oneof![5 => alloc, 4 => free, 1 => Just(Op::EmptyCache)].boxed();
+    }
+    prop_oneof![
+        5 => alloc,
+        4 => free,
+        1 => (any::<u32>(), 0u8..3).prop_map(|(pick, stream)| Op::FreeOn { pick, stream }),
+        2 => any::<u32>().prop_map(|pick| Op::Launch { pick }),
+        1 => (any::<u32>(), 0u8..3).prop_map(|(pick, stream)| Op::UseOn { pick, stream }),
+        2 => (0u8..3).prop_map(|stream| Op::Complete { stream }),
+        1 => Just(Op::CompleteAll),
+        1 => Just(Op::EmptyCache),
+    ]
+    .boxed()
+}
+
+/// Proptest cases: `PROPTEST_CASES` if set, else `default`.
+pub fn cases(default: u32) -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}

@@ -1,0 +1,372 @@
+//! Tests on a real GPU through `CudaDriver`.
+//!
+//! Every `gpu_*` test starts with a guard: without a usable CUDA device it prints
+//! `SKIPPED (no CUDA device): <name>` to stderr and passes. The bodies are generic over the
+//! driver; the `host_*` tests run the same bodies on `HostDriver` (real OS memory), so the
+//! test logic itself is checked on every machine.
+//!
+//! Run on the GPU machine with `--test-threads=1`: the tests take large parts of device
+//! memory and would starve one another.
+
+use std::time::Instant;
+use stitch_alloc::driver::{Driver, HostDriver};
+use stitch_alloc::{AllocError, Allocator, Capacity, Config, CudaDriver, Stream};
+
+const MIB: u64 = 1 << 20;
+const S: Stream = Stream::DEFAULT;
+
+/// Returns the device, or `None` after printing the skip line.
+fn gpu(test: &str) -> Option<CudaDriver> {
+    if !CudaDriver::available() {
+        eprintln!("SKIPPED (no CUDA device): {test}");
+        if let Some(why) = CudaDriver::unavailable_reason() {
+            eprintln!("  reason: {why}");
+        }
+        return None;
+    }
+    let d = CudaDriver::new(0).expect("CUDA is available but device 0 did not open");
+    eprintln!(
+        "{test}: {} (driver {}), granularity {} bytes",
+        d.device_name(),
+        d.driver_version(),
+        d.granularity()
+    );
+    Some(d)
+}
+
+/// A byte pattern that differs per block and per position.
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+// ---------------------------------------------------------------------------------------
+// Bodies, generic over the driver.
+
+/// reserve / create / map / set_access / write / read / unmap / remap elsewhere / release /
+/// free: the raw VMM sequence, and data surviving a move to a new address.
+fn raw_sequence<D: Driver>(d: &D) {
+    let g = d.granularity();
+    assert!(g.is_power_of_two() && g >= 4096, "granularity {g}");
+    let info = d.mem_info().unwrap();
+    assert!(info.total > 0 && info.free <= info.total, "{info:?}");
+
+    let hsize = 2 * g;
+    let va = d.reserve(8 * g).unwrap();
+    assert_eq!(va % g, 0, "reservation {va:#x} is not granularity-aligned");
+    let h = d.create(hsize).unwrap();
+    d.map(va, hsize, h).unwrap();
+    d.set_access(va, hsize).unwrap();
+
+    let data = pattern(1, hsize as usize);
+    d.write(va, &data).unwrap();
+    let mut back = vec![0u8; hsize as usize];
+    d.read(va, &mut back).unwrap();
+    assert!(back == data, "data read back differs");
+
+    // Move the handle to a new address in the same reservation: the bytes come along.
+    d.unmap(va, hsize).unwrap();
+    let moved = va + 5 * g;
+    d.map(moved, 2 * g, h).unwrap();
+    d.set_access(moved, hsize).unwrap();
+    let mut back = vec![0u8; hsize as usize];
+    d.read(moved, &mut back).unwrap();
+    assert!(back == data, "data did not survive the remap");
+
+    // Two handles side by side, one set_access spanning both.
+    let h2 = d.create(g).unwrap();
+    d.map(va, g, h2).unwrap();
+    d.set_access(va, g).unwrap();
+    d.write(va + g - 3, b"ab").unwrap(); // inside h2
+    let mut two = [0u8; 2];
+    d.read(va + g - 3, &mut two).unwrap();
+    assert_eq!(&two, b"ab");
+
+    // A mapped handle cannot be released on the CPU backends; CUDA defers it. Either way,
+    // unmap first, then release and free.
+    d.unmap(moved, hsize).unwrap();
+    d.unmap(va, g).unwrap();
+    d.release(h).unwrap();
+    d.release(h2).unwrap();
+    d.free_reservation(va, 8 * g).unwrap();
+
+    // Events on the default stream.
+    let e = d.record_event(S).unwrap();
+    d.wait_event(e).unwrap();
+    assert!(d.query_event(e).unwrap());
+    d.destroy_event(e).unwrap();
+    let e2 = d.record_event(S).unwrap(); // may reuse the pooled event
+    d.wait_event(e2).unwrap();
+    d.destroy_event(e2).unwrap();
+}
+
+/// Calls the device must refuse, each with an error value (no crash, nothing leaked).
+/// Kept out of `raw_sequence` so that sanitizer runs can skip deliberate API errors.
+fn refusals<D: Driver>(d: &D) {
+    let g = d.granularity();
+    let va = d.reserve(4 * g).unwrap();
+    let h = d.create(2 * g).unwrap();
+    d.map(va, 2 * g, h).unwrap();
+    // An unmap must cover exactly one earlier mapping.
+    assert!(d.unmap(va, g).is_err(), "a partial unmap must fail");
+    // Mapping over an existing mapping fails.
+    let h2 = d.create(g).unwrap();
+    assert!(
+        d.map(va + g, g, h2).is_err(),
+        "an overlapping map must fail"
+    );
+    d.unmap(va, 2 * g).unwrap();
+    d.release(h).unwrap();
+    d.release(h2).unwrap();
+    d.free_reservation(va, 4 * g).unwrap();
+}
+
+/// Fill `count` blocks of `block` bytes, free every other one, then allocate one block the
+/// size of all the holes: it must succeed by stitching, and the survivors keep their bytes.
+fn checkerboard<D: Driver>(d: D, count: u64, block: u64) {
+    let capacity = count * block;
+    let a = Allocator::new(
+        d,
+        Config::default()
+            .with_capacity(Capacity::Bytes(capacity))
+            .with_paranoid(true),
+    )
+    .unwrap();
+    let probe = 1 << 20; // bytes checked at the start, middle and end of each block
+    let spots = |p: u64| [p, p + block / 2 - probe / 2, p + block - probe];
+
+    let t = Instant::now();
+    let ptrs: Vec<_> = (0..count).map(|_| a.alloc(block, S).unwrap()).collect();
+    for (i, p) in ptrs.iter().enumerate() {
+        for (j, at) in spots(p.0).into_iter().enumerate() {
+            let pat = pattern(i as u64 * 3 + j as u64, probe as usize);
+            a.driver().write(at, &pat).unwrap();
+        }
+    }
+    let filled = t.elapsed();
+    for p in ptrs.iter().step_by(2) {
+        a.free(*p, S).unwrap();
+    }
+    let hole_total = (count / 2) * block;
+    let before = a.stats().stitches;
+    let t = Instant::now();
+    let big = a.alloc(hole_total, S).unwrap();
+    let stitch_time = t.elapsed();
+    let st = a.stats();
+    assert!(st.stitches > before, "no stitch happened: {st:?}");
+    assert!(st.stitches >= 1);
+    eprintln!(
+        "checkerboard on {}: {count} x {} MiB filled+written in {filled:?}; one {} MiB \
+         allocation in {stitch_time:?} ({} stitch(es), {} handle(s) moved)",
+        a.driver().name(),
+        block / MIB,
+        hole_total / MIB,
+        st.stitches,
+        st.stitched_handles
+    );
+
+    // The stitched span is usable end to end.
+    let head = pattern(999, probe as usize);
+    a.driver().write(big.0, &head).unwrap();
+    a.driver().write(big.0 + hole_total - probe, &head).unwrap();
+    let mut buf = vec![0u8; probe as usize];
+    a.driver()
+        .read(big.0 + hole_total - probe, &mut buf)
+        .unwrap();
+    assert!(buf == head, "stitched span lost its bytes");
+
+    // Survivors are intact.
+    for (i, p) in ptrs.iter().enumerate().skip(1).step_by(2) {
+        for (j, at) in spots(p.0).into_iter().enumerate() {
+            let want = pattern(i as u64 * 3 + j as u64, probe as usize);
+            let mut got = vec![0u8; probe as usize];
+            a.driver().read(at, &mut got).unwrap();
+            assert!(got == want, "block {i} spot {j} changed");
+        }
+    }
+    a.validate().unwrap();
+
+    a.free(big, S).unwrap();
+    for p in ptrs.iter().skip(1).step_by(2) {
+        a.free(*p, S).unwrap();
+    }
+    a.validate().unwrap();
+    let report = a.shutdown();
+    assert_eq!(report.leaked_allocations, 0);
+}
+
+/// Allocate `chunk`-sized blocks until the allocator says `OutOfMemory` (never a driver
+/// error), then free one and allocate again.
+fn oom_then_recover<D: Driver>(a: &Allocator<D>, chunk: u64) {
+    let mut live = Vec::new();
+    let t = Instant::now();
+    let err = loop {
+        match a.alloc(chunk, S) {
+            Ok(p) => live.push(p),
+            Err(e) => break e,
+        }
+        assert!(live.len() < 100_000, "never ran out of memory");
+    };
+    let took = t.elapsed();
+    assert!(
+        matches!(err, AllocError::OutOfMemory(_)),
+        "expected OutOfMemory, got {err}"
+    );
+    let st = a.stats();
+    eprintln!(
+        "OOM on {} after {} x {} MiB ({:.2} GiB held, capacity {:.2} GiB) in {took:?}: {err}",
+        a.driver().name(),
+        live.len(),
+        chunk / MIB,
+        st.reserved.current as f64 / (1u64 << 30) as f64,
+        a.capacity() as f64 / (1u64 << 30) as f64
+    );
+    assert!(!live.is_empty());
+    assert!(st.ooms >= 1);
+    a.validate().unwrap();
+
+    // Still works after freeing.
+    let p = live.pop().unwrap();
+    a.free(p, S).unwrap();
+    let q = a.alloc(chunk, S).unwrap();
+    if a.driver().has_data() {
+        a.driver().write(q.0, b"alive").unwrap();
+        let mut b = [0u8; 5];
+        a.driver().read(q.0, &mut b).unwrap();
+        assert_eq!(&b, b"alive");
+    }
+    live.push(q);
+    for p in live {
+        a.free(p, S).unwrap();
+    }
+    a.validate().unwrap();
+    assert_eq!(a.stats().requested.current, 0);
+}
+
+// ---------------------------------------------------------------------------------------
+// GPU tests.
+
+#[test]
+fn gpu_raw_driver_sequence() {
+    let Some(d) = gpu("gpu_raw_driver_sequence") else {
+        return;
+    };
+    assert_eq!(d.granularity(), 2 * MIB, "H100/H200 granularity is 2 MiB");
+    raw_sequence(&d);
+}
+
+#[test]
+fn gpu_errors_are_values() {
+    let Some(d) = gpu("gpu_errors_are_values") else {
+        return;
+    };
+    refusals(&d);
+    let g = d.granularity();
+    // Mapping outside any reservation fails with a named error, not a crash.
+    let h = d.create(g).unwrap();
+    let e = d.map(0x1000_0000_0000, g, h).unwrap_err();
+    assert!(e.message.starts_with("cuMemMap: CUDA_ERROR_"), "{e}");
+    d.release(h).unwrap();
+    // A create far beyond the device is out of memory, with the allocator's OOM code.
+    let total = d.mem_info().unwrap().total;
+    let e = d.create((total + 64 * g) / g * g).unwrap_err();
+    assert_eq!(e.code, stitch_alloc::driver::code::OUT_OF_MEMORY, "{e}");
+    assert!(e.message.contains("cuMemCreate"), "{e}");
+    assert!(CudaDriver::new(CudaDriver::device_count()).is_err());
+}
+
+#[test]
+fn gpu_checkerboard_stitches_and_keeps_data() {
+    let Some(d) = gpu("gpu_checkerboard_stitches_and_keeps_data") else {
+        return;
+    };
+    checkerboard(d, 20, 100 * MIB);
+}
+
+#[test]
+fn gpu_oom_at_half_capacity() {
+    let Some(d) = gpu("gpu_oom_at_half_capacity") else {
+        return;
+    };
+    let a = Allocator::new(d, Config::default().with_capacity(Capacity::Fraction(0.5))).unwrap();
+    oom_then_recover(&a, 4096 * MIB);
+}
+
+#[test]
+fn gpu_oom_at_device_limit() {
+    // The allocator's capacity is the whole device, so cuMemCreate itself runs out first:
+    // its CUDA_ERROR_OUT_OF_MEMORY must surface as AllocError::OutOfMemory.
+    let Some(d) = gpu("gpu_oom_at_device_limit") else {
+        return;
+    };
+    let a = Allocator::new(d, Config::default()).unwrap();
+    oom_then_recover(&a, 4096 * MIB);
+}
+
+#[test]
+fn gpu_events_follow_stream_work() {
+    let Some(d) = gpu("gpu_events_follow_stream_work") else {
+        return;
+    };
+    // Queue a large copy, then record: the event completes only after it.
+    let a = Allocator::new(
+        d,
+        Config::default().with_capacity(Capacity::Bytes(2048 * MIB)),
+    )
+    .unwrap();
+    let p = a.alloc(512 * MIB, S).unwrap();
+    let big = vec![7u8; (512 * MIB) as usize];
+    a.driver().write(p.0, &big).unwrap();
+    let e = a.driver().record_event(S).unwrap();
+    a.driver().wait_event(e).unwrap();
+    assert!(a.driver().query_event(e).unwrap());
+    a.driver().destroy_event(e).unwrap();
+    a.free(p, S).unwrap();
+    // Many events: the pool hands them out and takes them back.
+    let evs: Vec<_> = (0..300)
+        .map(|_| a.driver().record_event(S).unwrap())
+        .collect();
+    for e in evs {
+        a.driver().wait_event(e).unwrap();
+        a.driver().destroy_event(e).unwrap();
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The same bodies on the host backend (always run).
+
+#[test]
+fn host_raw_driver_sequence() {
+    raw_sequence(&HostDriver::with_capacity(256 * MIB).unwrap());
+}
+
+#[test]
+fn host_refusals() {
+    refusals(&HostDriver::with_capacity(256 * MIB).unwrap());
+}
+
+#[test]
+fn host_checkerboard_stitches_and_keeps_data() {
+    checkerboard(
+        HostDriver::with_capacity(2048 * MIB).unwrap(),
+        20,
+        100 * MIB,
+    );
+}
+
+#[test]
+fn host_oom_then_recover() {
+    let a = Allocator::new(
+        HostDriver::with_capacity(1024 * MIB).unwrap(),
+        Config::default().with_capacity(Capacity::Fraction(0.5)),
+    )
+    .unwrap();
+    oom_then_recover(&a, 100 * MIB);
+}
