@@ -63,11 +63,18 @@ fn benches(c: &mut Criterion) {
         bench_trace(c, name, &shipped(name), cap);
     }
     let h200 = stitch_alloc::driver::sim::H200_CAPACITY;
-    bench_trace(
+    let llm = gen::generate(Kind::Llm, 1, Scale::Full);
+    bench_trace(c, "llm-full (generated)", &llm, h200);
+    // The same without the stranded-bytes walk at each new peak of reserved bytes.
+    bench_with(
         c,
-        "llm-full (generated)",
-        &gen::generate(Kind::Llm, 1, Scale::Full),
+        "llm-full, no stranded sampling",
+        &llm,
         h200,
+        ReplayOptions {
+            skip_stranded: true,
+            ..Default::default()
+        },
     );
     bench_trace(
         c,

@@ -14,6 +14,18 @@ use stitch_alloc::trace::gen::{self, Kind, Scale};
 use stitch_alloc::trace::{self, Format, ReadOptions, Trace};
 use stitch_alloc::{plot, Allocator, Capacity, Config};
 
+/// `println!` that ignores a closed pipe (`stitch ... | head` must not panic).
+macro_rules! out {
+    () => {{
+        use std::io::Write;
+        let _ = writeln!(std::io::stdout());
+    }};
+    ($($t:tt)*) => {{
+        use std::io::Write;
+        let _ = writeln!(std::io::stdout(), $($t)*);
+    }};
+}
+
 #[derive(Parser)]
 #[command(
     name = "stitch",
@@ -115,6 +127,9 @@ struct ReplayArgs {
     /// Write an SVG of live and reserved bytes over the replay.
     #[arg(long, value_name = "OUT.svg")]
     plot: Option<PathBuf>,
+    /// Skip measuring the stranded bytes at each new peak (faster; reports 0).
+    #[arg(long)]
+    skip_stranded: bool,
 }
 
 #[derive(Args)]
@@ -140,6 +155,10 @@ struct DemoArgs {
     /// The seed of the generated workloads.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// The backend (default: the simulated H200; `cuda` runs the workloads on the GPU for
+    /// real, filling about 129 GB of it).
+    #[arg(long, value_enum, default_value = "sim")]
+    backend: Backend,
 }
 
 #[derive(Args)]
@@ -326,19 +345,19 @@ fn print_report(file: &str, t: &Trace, b: &Built, r: &ReplayReport) {
     let sum = t.summary();
     let c = &r.driver_calls;
     use stitch_alloc::driver::DriverOp as Op;
-    println!(
+    out!(
         "trace            {file}: {} events, {} stream(s)",
         thousands(t.op_count() as u64),
         sum.streams
     );
-    println!(
+    out!(
         "backend          {} ({}), capacity {}, stitching {}",
         r.backend,
         b.describe,
         gib(r.capacity),
         if b.stitching { "on" } else { "off" }
     );
-    println!(
+    out!(
         "events           {} ({} allocs, {} frees, {} failed allocs)",
         thousands(r.events),
         thousands(r.allocs),
@@ -346,16 +365,16 @@ fn print_report(file: &str, t: &Trace, b: &Built, r: &ReplayReport) {
         r.failed_allocs
     );
     if let Some(e) = &r.first_error {
-        println!("first failure    {e}");
+        out!("first failure    {e}");
     }
-    println!("peak live        {}", gib(r.peak_live_bytes));
-    println!(
+    out!("peak live        {}", gib(r.peak_live_bytes));
+    out!(
         "peak reserved    {}   ratio {:.4}",
         gib(r.peak_reserved_bytes),
         r.ratio
     );
-    println!("stranded @ peak  {}", gib(r.stranded_bytes_at_peak));
-    println!(
+    out!("stranded @ peak  {}", gib(r.stranded_bytes_at_peak));
+    out!(
         "driver calls     reserve {}, create {}, release {}, map {}, unmap {}, set_access {}; events: record {}, query {}, wait {}",
         c.get(Op::Reserve),
         c.get(Op::Create),
@@ -379,12 +398,12 @@ fn print_report(file: &str, t: &Trace, b: &Built, r: &ReplayReport) {
         .filter(|p| p.1 > 0.0)
         .map(|(k, v)| format!("{k} {}", ms(*v)))
         .collect();
-    println!(
+    out!(
         "modeled driver   {}  ({}; H200 medians)",
         ms(r.modeled_driver_us),
         top.join(", ")
     );
-    println!(
+    out!(
         "stitches         {} (moving {} handles), {} in-place extensions; {} handles created, {} released; {} of {} allocs with no driver call",
         r.stitches,
         r.stitched_handles,
@@ -395,7 +414,7 @@ fn print_report(file: &str, t: &Trace, b: &Built, r: &ReplayReport) {
         thousands(r.fast_allocs + r.slow_allocs)
     );
     for p in &r.probes {
-        println!(
+        out!(
             "largest alloc    {} after event {} = {:.2}% of free memory ({}), {:.2}% of reclaimable; first probe alloc {} modeled",
             gib(p.largest_bytes),
             p.event,
@@ -405,7 +424,7 @@ fn print_report(file: &str, t: &Trace, b: &Built, r: &ReplayReport) {
             ms(p.first_success_us)
         );
     }
-    println!(
+    out!(
         "wall time        {:.1} ms ({:.2} M events/s)",
         r.wall_ms,
         r.events_per_sec / 1e6
@@ -418,6 +437,7 @@ fn cmd_replay(a: &ReplayArgs) -> Result<(), String> {
     let opts = ReplayOptions {
         meter: Some(b.meter.clone()),
         timeline: a.plot.is_some(),
+        skip_stranded: a.skip_stranded,
         ..Default::default()
     };
     let mut r = replay(&t, &b.alloc, &opts);
@@ -447,11 +467,11 @@ fn cmd_replay(a: &ReplayArgs) -> Result<(), String> {
         if let Some(o) = v.as_object_mut() {
             o.insert("trace".into(), a.trace.file.display().to_string().into());
         }
-        println!("{v}");
+        out!("{v}");
     } else {
         print_report(&a.trace.file.display().to_string(), &t, &b, &r);
         if let Some(p) = &a.plot {
-            println!("plot             {}", p.display());
+            out!("plot             {}", p.display());
         }
     }
     Ok(())
@@ -477,7 +497,7 @@ fn cmd_gen(a: &GenArgs) -> Result<(), String> {
 
 fn cmd_info(a: &InfoArgs) -> Result<(), String> {
     if a.alloc.backend == Backend::Auto {
-        println!(
+        out!(
             "backend      auto -> {}",
             if CudaDriver::available() {
                 "cuda (a CUDA driver and device were found)"
@@ -489,20 +509,20 @@ fn cmd_info(a: &InfoArgs) -> Result<(), String> {
     let b = build(&a.alloc)?;
     let d = b.alloc.driver();
     let info = d.mem_info().map_err(|e| e.to_string())?;
-    println!("backend      {}", d.name());
-    println!("device       {}", b.describe);
-    println!(
+    out!("backend      {}", d.name());
+    out!("device       {}", b.describe);
+    out!(
         "granularity  {} bytes ({})",
         d.granularity(),
         gib(d.granularity())
     );
-    println!(
+    out!(
         "capacity     {} bytes ({})",
         b.alloc.capacity(),
         gib(b.alloc.capacity())
     );
-    println!("device total {} bytes, free {}", info.total, info.free);
-    println!("stitching    {}", if b.stitching { "on" } else { "off" });
+    out!("device total {} bytes, free {}", info.total, info.free);
+    out!("stitching    {}", if b.stitching { "on" } else { "off" });
     Ok(())
 }
 
@@ -554,9 +574,9 @@ struct DemoRow {
     us_off: f64,
 }
 
-fn demo_run(t: &Trace, stitching: bool) -> Result<ReplayReport, String> {
+fn demo_run(t: &Trace, stitching: bool, backend: Backend) -> Result<ReplayReport, String> {
     let b = build(&AllocArgs {
-        backend: Backend::Sim,
+        backend,
         capacity: None,
         no_stitch: !stitching,
         min_handle: None,
@@ -577,10 +597,10 @@ fn cmd_demo(a: &DemoArgs) -> Result<(), String> {
     let t0 = Instant::now();
     let llm = gen::generate(Kind::Llm, a.seed, Scale::Full);
     let cb = gen::generate(Kind::Checkerboard, a.seed, Scale::Full);
-    let l_on = demo_run(&llm, true)?;
-    let l_off = demo_run(&llm, false)?;
-    let c_on = demo_run(&cb, true)?;
-    let c_off = demo_run(&cb, false)?;
+    let l_on = demo_run(&llm, true, a.backend)?;
+    let l_off = demo_run(&llm, false, a.backend)?;
+    let c_on = demo_run(&cb, true, a.backend)?;
+    let c_off = demo_run(&cb, false, a.backend)?;
     let row = DemoRow {
         ratio_on: l_on.ratio,
         ratio_off: l_off.ratio,
@@ -598,24 +618,29 @@ fn cmd_demo(a: &DemoArgs) -> Result<(), String> {
             "llm": { "stitching_on": l_on, "stitching_off": l_off },
             "checkerboard": { "stitching_on": c_on, "stitching_off": c_off },
         });
-        println!("{v}");
+        out!("{v}");
         return Ok(());
     }
-    println!("stitch demo: the same workloads replayed on a simulated H200 (139.8 GiB), stitching on and off.");
-    println!(
+    let device = if l_on.backend == "sim" {
+        "a simulated H200 (139.8 GiB)".to_string()
+    } else {
+        format!("the {} backend ({})", l_on.backend, gib(l_on.capacity))
+    };
+    out!("stitch demo: the same workloads replayed on {device}, stitching on and off.");
+    out!(
         "Workloads: LLM inference ({} events, KV caches growing by realloc, temporaries freed out of order) and",
         thousands(llm.op_count() as u64)
     );
-    println!("the checkerboard (fill 129 GB with 100-300 MiB tensors, free every other one, then ask for the largest tensor).");
-    println!();
-    println!("{:<44} {:>16} {:>16}", "", "stitching on", "stitching off");
-    println!(
+    out!("the checkerboard (fill 129 GB with 100-300 MiB tensors, free every other one, then ask for the largest tensor).");
+    out!();
+    out!("{:<44} {:>16} {:>16}", "", "stitching on", "stitching off");
+    out!(
         "{:<44} {:>16} {:>16}",
         "LLM: peak reserved",
         gib(row.reserved_on),
         gib(row.reserved_off)
     );
-    println!(
+    out!(
         "{:<44} {:>16} {:>16}",
         format!(
             "LLM: peak reserved / peak live ({})",
@@ -624,52 +649,54 @@ fn cmd_demo(a: &DemoArgs) -> Result<(), String> {
         format!("{:.4}", row.ratio_on),
         format!("{:.4}", row.ratio_off)
     );
-    println!(
+    out!(
         "{:<44} {:>16} {:>16}",
-        "LLM: failed allocations", row.failed_on, row.failed_off
+        "LLM: failed allocations",
+        row.failed_on,
+        row.failed_off
     );
-    println!(
+    out!(
         "{:<44} {:>16} {:>16}",
         "LLM: modeled driver time",
         ms(row.us_on),
         ms(row.us_off)
     );
-    println!(
+    out!(
         "{:<44} {:>16} {:>16}",
         "checkerboard: largest allocation that fits",
         gib(p_on.largest_bytes),
         gib(p_off.largest_bytes)
     );
-    println!(
+    out!(
         "{:<44} {:>16} {:>16}",
         "checkerboard: ... as % of free memory",
         format!("{:.2}%", 100.0 * p_on.fraction_of_free),
         format!("{:.2}%", 100.0 * p_off.fraction_of_free)
     );
-    println!(
+    out!(
         "{:<44} {:>16} {:>16}",
         "checkerboard: modeled time of that alloc",
         ms(p_on.first_success_us),
         ms(p_off.first_success_us)
     );
-    println!(
+    out!(
         "{:<44} {:>16} {:>16}",
         "checkerboard: modeled driver time, total",
         ms(c_on.modeled_driver_us),
         ms(c_off.modeled_driver_us)
     );
-    println!();
-    println!(
+    out!();
+    out!(
         "What you are looking at: the ratio is physical memory held per byte in use (1.0 = no waste; PyTorch's \
          default allocator: 1.317 on a similar trace), the checkerboard rows how much of the free memory one tensor \
          still gets after fragmentation (PyTorch: 99.7% after 230-370 ms stalls) and what its CUDA calls would cost \
          on an H200."
     );
-    println!(
+    out!(
         "(Stitching off is stitch-alloc's own baseline: it releases free memory and re-creates it instead of \
          remapping it, which costs more driver time and lets another process take the memory in between.)"
     );
-    println!(
+    out!(
         "({} s of wall time)",
         format_args!("{:.2}", t0.elapsed().as_secs_f64())
     );
