@@ -95,6 +95,50 @@ fn run(cfg: Config, seed: u64) {
             events += 1;
         }
         peak_live = peak_live.max(a.stats().requested.current);
+        if std::env::var("LAB_SNAP").is_ok() && step == 700 {
+            let snap = a.snapshot();
+            // handles in address order, with live bytes inside
+            let mut hs: Vec<(u64, u64)> = snap
+                .handles
+                .iter()
+                .filter_map(|h| h.addr.map(|a| (a, h.size)))
+                .collect();
+            hs.sort();
+            let mut rows = Vec::new();
+            for &(ha, hsz) in &hs {
+                let mut live = 0;
+                let mut free = 0;
+                let mut lives = Vec::new();
+                for run in &snap.runs {
+                    for b in run {
+                        let s0 = b.addr.max(ha);
+                        let e0 = (b.addr + b.size).min(ha + hsz);
+                        if s0 < e0 {
+                            if b.state == "live" {
+                                live += e0 - s0;
+                                lives.push(b.size >> 20);
+                            } else {
+                                free += e0 - s0;
+                            }
+                        }
+                    }
+                }
+                if live > 0 && free > 0 {
+                    rows.push((free, hsz, live, lives));
+                }
+            }
+            rows.sort_by_key(|r| std::cmp::Reverse(r.0));
+            let tot: u64 = rows.iter().map(|r| r.0).sum();
+            eprintln!("stranded total {} MiB in {} handles", tot >> 20, rows.len());
+            for r in rows.iter().take(25) {
+                eprintln!(
+                    "  free {:>5} MiB of handle {:>5} MiB; live blocks (MiB) {:?}",
+                    r.0 >> 20,
+                    r.1 >> 20,
+                    &r.3[..r.3.len().min(8)]
+                );
+            }
+        }
         if std::env::var("LAB_DEBUG").is_ok() && step % 500 == 0 {
             let d = a.detailed_stats();
             eprintln!("step {step}: live {:.2} reserved {:.2} live_handles {:.2} stranded {:.2} free_handles {:.2} small_pages {} small_stranded {:.3} free_spans {}",
@@ -149,6 +193,8 @@ fn main() {
     for (min, max) in [
         (0, 2 * MIB),
         (0, 32 * MIB),
+        (0, 64 * MIB),
+        (0, 128 * MIB),
         (0, 256 * MIB),
         (0, 1 << 30),
         (0, 4 << 30),
@@ -161,7 +207,7 @@ fn main() {
             run(
                 Config::default()
                     .with_handle_sizes(min, max)
-                    .with_reserve_slack(slack),
+                    .with_reserve_slack(slack, 0),
                 1,
             );
         }

@@ -35,8 +35,9 @@ pub struct Config {
     /// Smallest handle created for a large request (default: the granularity). Larger values
     /// make fewer, larger handles for mid-sized requests.
     pub min_handle: u64,
-    /// Largest single handle; a larger need is built from several (default 1 GiB). Smaller
-    /// values strand less memory but cost more driver calls per stitch.
+    /// Largest single handle; a larger need is built from several (default 128 MiB). Smaller
+    /// values strand less memory but cost more driver calls per stitch (see
+    /// `design/ARCHITECTURE.md`, section 4.4, for the measured trade-off).
     pub max_handle: u64,
     /// Remap free handles into contiguous spans when no free span fits (default on). Off
     /// gives a plain caching allocator on VMM that releases and re-creates instead.
@@ -47,6 +48,9 @@ pub struct Config {
     /// more times its size. Past that budget, free handles are reused (stitched) first.
     /// 0 = always reuse first (lowest memory, most remapping); large = a plain cache.
     pub reserve_slack: f64,
+    /// A floor under the growth slack in bytes (default 256 MiB), so that a small working set
+    /// is not remapped on every miss to save a few megabytes.
+    pub reserve_slack_min: u64,
     /// Size of each virtual address reservation (0 = four times the capacity).
     pub va_chunk: u64,
     /// Upper bound on all reservations together (default 32 TiB; the process limit is 128).
@@ -62,9 +66,10 @@ impl Default for Config {
             small_threshold: 1 << 20,
             small_page: 0,
             min_handle: 0,
-            max_handle: 1 << 30,
+            max_handle: 128 << 20,
             stitching: true,
             reserve_slack: 0.01,
+            reserve_slack_min: 256 << 20,
             va_chunk: 0,
             va_limit: 32 << 40,
             paranoid: false,
@@ -94,9 +99,10 @@ impl Config {
         self.stitching = on;
         self
     }
-    /// Set the growth slack (see [`Config::reserve_slack`]).
-    pub fn with_reserve_slack(mut self, slack: f64) -> Self {
+    /// Set the growth slack and its floor in bytes (see [`Config::reserve_slack`]).
+    pub fn with_reserve_slack(mut self, slack: f64, min_bytes: u64) -> Self {
         self.reserve_slack = slack;
+        self.reserve_slack_min = min_bytes;
         self
     }
     /// Turn the per-operation invariant check on or off.
@@ -169,6 +175,7 @@ impl Config {
             max_handle,
             stitching: self.stitching,
             reserve_slack: self.reserve_slack,
+            reserve_slack_min: self.reserve_slack_min,
             va_chunk,
             va_limit: self.va_limit,
             paranoid: self.paranoid,
@@ -187,6 +194,7 @@ pub(crate) struct Resolved {
     pub max_handle: u64,
     pub stitching: bool,
     pub reserve_slack: f64,
+    pub reserve_slack_min: u64,
     pub va_chunk: u64,
     pub va_limit: u64,
     pub paranoid: bool,

@@ -37,6 +37,42 @@ pub trait TestDevice: Driver + 'static {
     fn is_accessible(&self, addr: u64, len: u64) -> bool;
     /// What the device still holds.
     fn leak_report(&self) -> LeakReport;
+    /// Driver failures injected so far (fault-injection wrappers; 0 otherwise). A driver
+    /// error is a legitimate outcome of an operation during which this count rose.
+    fn injected_faults(&self) -> u64 {
+        0
+    }
+    /// Turn fault injection on or off (no-op without a wrapper).
+    fn set_faults(&self, on: bool) {
+        let _ = on;
+    }
+}
+
+impl<T: TestDevice> TestDevice for crate::driver::FaultyDriver<T> {
+    fn launch(&self, stream: Stream, addr: u64, len: u64) -> WorkId {
+        self.inner().launch(stream, addr, len)
+    }
+    fn complete(&self, stream: Stream) {
+        self.inner().complete(stream)
+    }
+    fn complete_all(&self) {
+        self.inner().complete_all()
+    }
+    fn work_done(&self, w: WorkId) -> bool {
+        self.inner().work_done(w)
+    }
+    fn is_accessible(&self, addr: u64, len: u64) -> bool {
+        self.inner().is_accessible(addr, len)
+    }
+    fn leak_report(&self) -> LeakReport {
+        self.inner().leak_report()
+    }
+    fn injected_faults(&self) -> u64 {
+        self.injected()
+    }
+    fn set_faults(&self, on: bool) {
+        self.set_enabled(on)
+    }
 }
 
 macro_rules! test_device {
@@ -200,6 +236,8 @@ pub struct RunCounts {
     pub ooms: u64,
     /// Other refused requests (zero size, too large).
     pub refused: u64,
+    /// Operations that failed because of an injected driver fault.
+    pub faulted: u64,
 }
 
 /// Drives an allocator with [`Op`]s and checks every invariant after each one.
@@ -216,6 +254,7 @@ pub struct Harness<T: TestDevice> {
     /// What the run did.
     pub counts: RunCounts,
     check_data: bool,
+    faults_before: u64,
 }
 
 fn mix(mut z: u64) -> u64 {
@@ -256,7 +295,13 @@ impl<T: TestDevice> Harness<T> {
             next_seed: 1,
             counts: RunCounts::default(),
             check_data,
+            faults_before: 0,
         })
+    }
+
+    /// Whether a fault was injected during the current operation.
+    fn faulted(&self) -> bool {
+        self.dev.injected_faults() > self.faults_before
     }
 
     /// Live allocations now.
@@ -295,6 +340,7 @@ impl<T: TestDevice> Harness<T> {
 
     /// Apply one operation and check every invariant. `Err` describes a violation.
     pub fn apply(&mut self, op: Op) -> Result<(), String> {
+        self.faults_before = self.dev.injected_faults();
         match op {
             Op::Alloc { size, stream } => self.do_alloc(size, Self::stream(stream))?,
             Op::Free { pick } => {
@@ -334,9 +380,12 @@ impl<T: TestDevice> Harness<T> {
             Op::Complete { stream } => self.dev.complete(Self::stream(stream)),
             Op::CompleteAll => self.dev.complete_all(),
             Op::EmptyCache => {
-                self.alloc
-                    .empty_cache()
-                    .map_err(|e| format!("empty_cache failed: {e}"))?;
+                if let Err(e) = self.alloc.empty_cache() {
+                    if !self.faulted() {
+                        return Err(format!("empty_cache failed: {e}"));
+                    }
+                    self.counts.faulted += 1;
+                }
             }
         }
         self.hazards.retain(|h| !self.dev.work_done(h.work));
@@ -386,6 +435,9 @@ impl<T: TestDevice> Harness<T> {
                 self.live.push(l);
                 self.counts.allocs += 1;
             }
+            Err(AllocError::OutOfMemory(_)) | Err(AllocError::Driver { .. }) if self.faulted() => {
+                self.counts.faulted += 1;
+            }
             Err(AllocError::OutOfMemory(r)) => {
                 let d = self.alloc.detailed_stats();
                 let need = size.div_ceil(g) * g;
@@ -410,13 +462,18 @@ impl<T: TestDevice> Harness<T> {
     }
 
     fn do_free(&mut self, i: usize, stream: Stream) -> Result<(), String> {
-        let l = self.live.swap_remove(i);
         if self.check_data {
-            self.check_pattern(&l)?;
+            self.check_pattern(&self.live[i])?;
         }
-        self.alloc
-            .free(DevicePtr(l.ptr), stream)
-            .map_err(|e| format!("free of live {:#x}: {e}", l.ptr))?;
+        if let Err(e) = self.alloc.free(DevicePtr(self.live[i].ptr), stream) {
+            if self.faulted() {
+                // The free did not happen: the allocation must still be live and intact.
+                self.counts.faulted += 1;
+                return Ok(());
+            }
+            return Err(format!("free of live {:#x}: {e}", self.live[i].ptr));
+        }
+        let l = self.live.swap_remove(i);
         if self.alloc.free(DevicePtr(l.ptr), stream).is_ok() {
             return Err(format!("double free of {:#x} was accepted", l.ptr));
         }
@@ -466,6 +523,8 @@ impl<T: TestDevice> Harness<T> {
 
     /// Free everything, drop the allocator and check the device holds nothing.
     pub fn finish(mut self) -> Result<RunCounts, String> {
+        self.dev.set_faults(false);
+        self.faults_before = self.dev.injected_faults();
         while !self.live.is_empty() {
             let s = self.live[0].stream;
             self.do_free(0, s)?;
@@ -493,7 +552,7 @@ impl<T: TestDevice> Harness<T> {
         if !leaks.is_clean() {
             return Err(format!("device still holds resources: {leaks:?}"));
         }
-        Ok(self.counts)
+        Ok(std::mem::take(&mut self.counts))
     }
 
     /// Run a whole sequence, then `finish`.
@@ -503,5 +562,13 @@ impl<T: TestDevice> Harness<T> {
                 .map_err(|e| format!("after op {n} {op:?}: {e}"))?;
         }
         self.finish()
+    }
+}
+
+impl<T: TestDevice> Drop for Harness<T> {
+    fn drop(&mut self) {
+        // Whatever happened, tear down with a working driver so the device can report leaks
+        // truthfully (a failing run keeps its own error message).
+        self.dev.set_faults(false);
     }
 }

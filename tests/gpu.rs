@@ -18,10 +18,14 @@ const S: Stream = Stream::DEFAULT;
 /// Returns the device, or `None` after printing the skip line.
 fn gpu(test: &str) -> Option<CudaDriver> {
     if !CudaDriver::available() {
-        eprintln!("SKIPPED (no CUDA device): {test}");
-        if let Some(why) = CudaDriver::unavailable_reason() {
-            eprintln!("  reason: {why}");
-        }
+        // Written to the stderr handle directly: libtest does not capture that, so the skip
+        // is visible in every run, not only in failing ones.
+        use std::io::Write;
+        let why = CudaDriver::unavailable_reason().unwrap_or_default();
+        let _ = writeln!(
+            std::io::stderr(),
+            "SKIPPED (no CUDA device): {test} ({why})"
+        );
         return None;
     }
     let d = CudaDriver::new(0).expect("CUDA is available but device 0 did not open");

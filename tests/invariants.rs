@@ -12,7 +12,7 @@ const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: common::cases(48), ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: common::cases(256), ..ProptestConfig::default() })]
 
     /// A whole simulated H200, mixed sizes up to 70 GiB, one stream.
     #[test]
@@ -29,17 +29,19 @@ proptest! {
         h.run(&ops).map_err(TestCaseError::fail)?;
     }
 
-    /// Streams, in-flight work, cross-stream frees and record_stream on a tight device.
+    /// Streams, in-flight work, cross-stream frees and record_stream on a tight device;
+    /// reuse first (no growth slack), so stitching runs on every miss.
     #[test]
     fn sim_streams(ops in prop::collection::vec(common::op(256 * MIB, true), 1..250)) {
-        let h = Harness::new(SimDriver::with_capacity(256 * MIB), Config::default()).unwrap();
+        let cfg = Config::default().with_reserve_slack(0.0, 0);
+        let h = Harness::new(SimDriver::with_capacity(256 * MIB), cfg).unwrap();
         h.run(&ops).map_err(TestCaseError::fail)?;
     }
 
     /// Small handles (max 4 MiB each): many handles per stitch.
     #[test]
     fn sim_small_handles(ops in prop::collection::vec(common::op(256 * MIB, true), 1..200)) {
-        let cfg = Config::default().with_handle_sizes(0, 4 * MIB);
+        let cfg = Config::default().with_handle_sizes(0, 4 * MIB).with_reserve_slack(0.0, 0);
         let h = Harness::new(SimDriver::with_capacity(256 * MIB), cfg).unwrap();
         h.run(&ops).map_err(TestCaseError::fail)?;
     }
@@ -57,7 +59,9 @@ proptest! {
     #[test]
     fn host_data_integrity(ops in prop::collection::vec(common::op(128 * MIB, true), 1..150)) {
         let dev = HostDriver::with_capacity(128 * MIB).unwrap();
-        let cfg = Config::default().with_capacity(Capacity::Bytes(128 * MIB));
+        let cfg = Config::default()
+            .with_capacity(Capacity::Bytes(128 * MIB))
+            .with_reserve_slack(0.0, 0);
         let h = Harness::new(dev, cfg).unwrap();
         h.run(&ops).map_err(TestCaseError::fail)?;
     }

@@ -22,10 +22,12 @@ mod ledger;
 mod streams;
 
 pub mod cuda;
+pub mod faulty;
 pub mod host;
 pub mod sim;
 
 pub use cuda::CudaDriver;
+pub use faulty::FaultyDriver;
 pub use host::HostDriver;
 pub use ledger::LeakReport;
 pub use sim::SimDriver;

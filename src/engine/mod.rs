@@ -173,6 +173,8 @@ pub(crate) struct Engine {
     /// `bins[owner][pool]` holds exactly the free blocks with that owner and pool.
     bins: Vec<[Bins; 2]>,
     pending: Vec<PendingFree>,
+    /// Completed events whose destroy failed; retried on later slow paths and at teardown.
+    zombies: Vec<EventId>,
     /// Extra streams that used a live block (`record_stream`).
     extra: FxHashMap<u32, Vec<Stream>>,
     handles: Vec<Option<HandleRec>>,
@@ -207,6 +209,7 @@ impl Engine {
             }],
             bins: vec![Default::default()],
             pending: Vec::new(),
+            zombies: Vec::new(),
             extra: FxHashMap::default(),
             handles: Vec::new(),
             free_hids: Vec::new(),
@@ -316,6 +319,7 @@ impl Engine {
         match self.drv(DriverOp::Release, || d.release(h)) {
             Ok(()) => {
                 let size = self.hsize(hid);
+                tracing::debug!(size, "released a handle");
                 self.handles[hid as usize] = None;
                 self.free_hids.push(hid);
                 self.stats.reserved.sub(size);
@@ -392,17 +396,46 @@ impl Engine {
 
     /// Hand out `rsize` bytes from the start of free block `i`.
     #[inline]
-    fn take(&mut self, i: u32, rsize: u64, requested: u64, stream: Stream) -> u64 {
+    fn take(&mut self, mut i: u32, rsize: u64, requested: u64, stream: Stream) -> u64 {
         let (owner, seq) = match self.blocks[i as usize].state {
             State::Free { owner, seq } => (owner, seq),
             _ => unreachable!("take of a block that is not free"),
         };
         let pool = self.blocks[i as usize].pool;
         self.bins[owner as usize][pool as usize].remove(&mut self.blocks, i);
-        let (addr, size, next) = {
+        let (mut addr, mut size, mut next) = {
             let b = &self.blocks[i as usize];
             (b.addr, b.size, b.next)
         };
+        let off = if pool == Pool::Large && size > rsize {
+            self.placement(addr, size, rsize)
+        } else {
+            0
+        };
+        if off > 0 {
+            // The piece in front stays free as block `i`; the allocation starts a new block.
+            let j = self.new_block(Block {
+                addr: addr + off,
+                size: size - off,
+                prev: i,
+                next,
+                fprev: NIL,
+                fnext: NIL,
+                pool,
+                state: State::Free { owner, seq },
+            });
+            if next != NIL {
+                self.blocks[next as usize].prev = j;
+            }
+            let b = &mut self.blocks[i as usize];
+            b.next = j;
+            b.size = off;
+            self.bins[owner as usize][pool as usize].insert(&mut self.blocks, i);
+            i = j;
+            addr += off;
+            size -= off;
+            next = self.blocks[j as usize].next;
+        }
         if size > rsize {
             let r = self.new_block(Block {
                 addr: addr + rsize,
@@ -430,6 +463,55 @@ impl Engine {
         s.live_allocations.add(1);
         s.allocs += 1;
         addr
+    }
+
+    /// Where to put `rsize` bytes inside the free block `[a, a+size)` (an offset): the place
+    /// that leaves the fewest bytes of wholly free handles stranded (pinned by the new
+    /// allocation but not used by it). Candidates: either end of the block, and every handle
+    /// boundary inside it as the allocation's start or end. Ties keep the block's start.
+    fn placement(&self, a: u64, size: u64, rsize: u64) -> u64 {
+        const MAX: usize = 32;
+        let e = a + size;
+        let first = self.mapped.range(..=a).next_back().map_or(a, |(&h, _)| h);
+        let mut hs = [(0u64, 0u64); MAX];
+        let mut n = 0;
+        for (&ha, &hid) in self.mapped.range(first..e) {
+            if n == MAX {
+                return 0; // many small handles: stranding is small anyway
+            }
+            hs[n] = (ha, ha + self.hsize(hid));
+            n += 1;
+        }
+        if n <= 1 {
+            return 0;
+        }
+        let hs = &hs[..n];
+        let cost = |p: u64| -> u64 {
+            let q = p + rsize;
+            hs.iter()
+                .filter(|h| h.0 >= a && h.1 <= e && h.0 < q && p < h.1)
+                .map(|h| (h.1 - h.0) - (h.1.min(q) - h.0.max(p)))
+                .sum()
+        };
+        let mut best = (cost(a), a);
+        let mut consider = |p: u64| {
+            if p >= a && p + rsize <= e && p % UNIT == 0 {
+                let c = cost(p);
+                if c < best.0 {
+                    best = (c, p);
+                }
+            }
+        };
+        consider(e - rsize);
+        for h in hs {
+            for x in [h.0, h.1] {
+                consider(x);
+                if x >= rsize {
+                    consider(x - rsize);
+                }
+            }
+        }
+        best.1 - a
     }
 
     /// Merge free block `i` (not in any list) with same-owner free neighbours, then list it.
@@ -522,13 +604,15 @@ impl Engine {
     }
 
     /// Whether creating memory for a request of `size` bytes stays within the capacity and
-    /// the growth budget `(1 + reserve_slack) * max(peak live, live + size)`.
+    /// the growth budget: `L + max(reserve_slack * L, reserve_slack_min)` where
+    /// `L = max(peak live, live + size)`.
     fn may_create(&self, size: u64) -> bool {
         let need = round_up(size, self.cfg.granularity);
         let s = &self.stats;
         let after = s.reserved.current + need;
         let live = s.requested.peak.max(s.requested.current + size);
-        after <= self.cfg.capacity && after as f64 <= live as f64 * (1.0 + self.cfg.reserve_slack)
+        let slack = (live as f64 * self.cfg.reserve_slack) as u64;
+        after <= self.cfg.capacity && after <= live + slack.max(self.cfg.reserve_slack_min)
     }
 
     fn alloc_slow<D: Driver + ?Sized>(
@@ -655,7 +739,7 @@ impl Engine {
                     Ok(e) => events.push(e),
                     Err(err) => {
                         for e in events {
-                            let _ = self.drv(DriverOp::DestroyEvent, || d.destroy_event(e));
+                            self.destroy_event(d, e);
                         }
                         return Err(err.into());
                     }
@@ -697,6 +781,21 @@ impl Engine {
 
     // ----- fences -----
 
+    /// Destroy an event; if the driver refuses, keep it to retry later (never leak it).
+    fn destroy_event<D: Driver + ?Sized>(&mut self, d: &D, e: EventId) {
+        if let Err(err) = self.drv(DriverOp::DestroyEvent, || d.destroy_event(e)) {
+            tracing::warn!(%err, "could not destroy an event; will retry");
+            self.zombies.push(e);
+        }
+    }
+
+    /// Retry destroying events whose destroy failed before.
+    fn retry_zombies<D: Driver + ?Sized>(&mut self, d: &D) {
+        for e in std::mem::take(&mut self.zombies) {
+            self.destroy_event(d, e);
+        }
+    }
+
     /// Move owner `k`'s free blocks with `seq <= covered` to the clean pool.
     fn migrate(&mut self, k: usize, covered: u64) {
         let mut list = Vec::new();
@@ -718,6 +817,12 @@ impl Engine {
     /// Fence streams with unfenced frees, and make clean whatever has completed. With
     /// `wait`, block until every free so far is clean.
     fn poll<D: Driver + ?Sized>(&mut self, d: &D, wait: bool) -> Result<()> {
+        if !self.zombies.is_empty() {
+            self.retry_zombies(d);
+        }
+        if !self.quarantine.is_empty() {
+            self.retry_quarantine(d);
+        }
         for k in 1..self.owners.len() {
             loop {
                 let dirty = self.bins[k][0].count + self.bins[k][1].count > 0;
@@ -741,9 +846,7 @@ impl Engine {
                     break;
                 }
                 self.owners[k].fence = None;
-                if let Err(err) = self.drv(DriverOp::DestroyEvent, || d.destroy_event(e)) {
-                    tracing::warn!(%err, "could not destroy a completed fence event");
-                }
+                self.destroy_event(d, e);
                 self.migrate(k, covered);
                 // Frees after the fence are still dirty: go round and fence them too.
             }
@@ -768,9 +871,7 @@ impl Engine {
             if all {
                 let p = self.pending.swap_remove(j);
                 for e in p.events {
-                    if let Err(err) = self.drv(DriverOp::DestroyEvent, || d.destroy_event(e)) {
-                        tracing::warn!(%err, "could not destroy a completed event");
-                    }
+                    self.destroy_event(d, e);
                 }
                 let size = self.blocks[p.block as usize].size;
                 self.stats.pending_free -= size;
@@ -1148,6 +1249,7 @@ impl Engine {
             let sz = left.min(self.cfg.max_handle);
             match self.drv(DriverOp::Create, || d.create(sz)) {
                 Ok(h) => {
+                    tracing::debug!(size = sz, "created a handle");
                     fresh.push(self.add_handle(h, sz));
                     left -= sz;
                 }
@@ -1212,7 +1314,8 @@ impl Engine {
             let (h, size) = (self.hrec(hid).handle, self.hsize(hid));
             if let Err(e) = self.drv(DriverOp::Map, || d.map(base + off, size, h)) {
                 self.rollback_span(d, base, total, &done);
-                self.unmapped.extend(hids);
+                self.unmapped
+                    .extend(hids.iter().filter(|h| !self.quarantine.contains(h)));
                 return Err(e.into());
             }
             done.push((base + off, hid));
@@ -1295,15 +1398,16 @@ impl Engine {
             return Err(AllocError::ShutDown);
         }
         self.poll(d, false)?;
-        let mut released = self.retry_quarantine(d);
+        self.retry_quarantine(d);
         let cands = self.free_handles();
-        released += self.release_cands(d, cands)?;
+        let released = self.release_cands(d, cands)?;
         tracing::debug!(released, "empty_cache");
         Ok(released)
     }
 
-    fn retry_quarantine<D: Driver + ?Sized>(&mut self, d: &D) -> u64 {
-        let mut released = 0;
+    /// Retry unmapping quarantined handles; those that succeed become ordinary unmapped
+    /// handles, usable by the next stitch (or released by `empty_cache`).
+    fn retry_quarantine<D: Driver + ?Sized>(&mut self, d: &D) {
         for hid in std::mem::take(&mut self.quarantine) {
             let (addr, size) = (
                 self.hrec(hid).at.expect("quarantined is mapped"),
@@ -1315,11 +1419,8 @@ impl Engine {
             }
             self.handles[hid as usize].as_mut().expect("handle").at = None;
             self.va.free(addr, size);
-            if self.release_handle(d, hid).is_ok() {
-                released += size;
-            }
+            self.unmapped.push(hid);
         }
-        released
     }
 
     /// Give everything back to the driver. Returns (leaked allocations, their bytes).
@@ -1330,14 +1431,15 @@ impl Engine {
         }
         for k in 1..self.owners.len() {
             if let Some((e, _)) = self.owners[k].fence.take() {
-                let _ = self.drv(DriverOp::DestroyEvent, || d.destroy_event(e));
+                self.destroy_event(d, e);
             }
         }
         for p in std::mem::take(&mut self.pending) {
             for e in p.events {
-                let _ = self.drv(DriverOp::DestroyEvent, || d.destroy_event(e));
+                self.destroy_event(d, e);
             }
         }
+        self.retry_zombies(d);
         self.retry_quarantine(d);
         for (addr, hid) in std::mem::take(&mut self.mapped) {
             let size = self.hsize(hid);
