@@ -90,13 +90,16 @@ struct AllocArgs {
     /// Smallest handle created for a large request (default: the granularity).
     #[arg(long, value_parser = parse_bytes)]
     min_handle: Option<u64>,
-    /// Largest single handle (default 1 GiB).
+    /// Largest single handle (default 128 MiB).
     #[arg(long, value_parser = parse_bytes)]
     max_handle: Option<u64>,
     /// Growth slack: create new memory while reserved stays within (1 + slack) x peak live,
     /// reuse (stitch) free handles past it (default 0.01).
     #[arg(long)]
     reserve_slack: Option<f64>,
+    /// Floor under the growth slack, in bytes (default 256 MiB).
+    #[arg(long, value_parser = parse_bytes)]
+    reserve_slack_min: Option<u64>,
     /// Check every allocator invariant after each operation (slow).
     #[arg(long)]
     paranoid: bool,
@@ -270,8 +273,12 @@ fn build(a: &AllocArgs) -> Result<Built, String> {
     let mut cfg = Config::default()
         .with_stitching(!a.no_stitch)
         .with_paranoid(a.paranoid);
-    if let Some(slack) = a.reserve_slack {
-        cfg = cfg.with_reserve_slack(slack);
+    if a.reserve_slack.is_some() || a.reserve_slack_min.is_some() {
+        let d = Config::default();
+        cfg = cfg.with_reserve_slack(
+            a.reserve_slack.unwrap_or(d.reserve_slack),
+            a.reserve_slack_min.unwrap_or(d.reserve_slack_min),
+        );
     }
     if let (Some(c), "cuda") = (a.capacity, drv.name()) {
         // On a real GPU the capacity limits the allocator, not the device.
@@ -582,6 +589,7 @@ fn demo_run(t: &Trace, stitching: bool, backend: Backend) -> Result<ReplayReport
         min_handle: None,
         max_handle: None,
         reserve_slack: None,
+        reserve_slack_min: None,
         paranoid: false,
     })?;
     let opts = ReplayOptions {
