@@ -46,7 +46,7 @@ use crate::driver::{
 use crate::trace::{Event, Trace};
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
@@ -54,7 +54,7 @@ use std::time::Instant;
 const MIB: f64 = (1u64 << 20) as f64;
 
 /// A cost that depends on the handle size: microseconds at 2 MiB, 64 MiB and 1 GiB.
-#[derive(Copy, Clone, Debug, PartialEq, Serialize)]
+#[derive(Copy, Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct SizedCost {
     /// Cost for a 2 MiB handle (and anything smaller).
     pub at_2mib: f64,
@@ -106,8 +106,18 @@ impl SizedCost {
 }
 
 /// Per-call driver costs in microseconds (see the module docs for sources). Every field can
-/// be overridden; [`CostModel::h200`] (the default) is the measured H200 table.
-#[derive(Copy, Clone, Debug, PartialEq, Serialize)]
+/// be overridden; [`CostModel::h200`] (the default) is the measured H200 table. It reads from
+/// JSON with missing fields taken from the default (`stitch replay --cost-model FILE`):
+///
+/// ```
+/// use stitch_alloc::replay::CostModel;
+/// let c: CostModel = serde_json::from_str(r#"{"set_access_quadratic": 0.0, "map": {"at_2mib": 2, "at_64mib": 2, "at_1gib": 2}}"#).unwrap();
+/// assert_eq!(c.set_access_quadratic, 0.0);
+/// assert_eq!(c.map.at(1 << 30), 2.0);
+/// assert_eq!(c.create, CostModel::h200().create);
+/// ```
+#[derive(Copy, Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct CostModel {
     /// `cuMemAddressReserve` (0.3–3 µs at any size).
     pub reserve: f64,

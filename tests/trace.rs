@@ -761,3 +761,39 @@ fn cli_demo_runs() {
     assert!(text.contains("stitching on") && text.contains("stitching off"));
     assert!(text.contains("What you are looking at"));
 }
+
+#[test]
+fn cli_cost_model_override() {
+    let f = data("llm-small.trace.gz");
+    let f = f.to_str().unwrap();
+    let base = json(&["replay", f, "--json"]);
+    let cost = tmp("cost.json");
+    std::fs::write(
+        &cost,
+        r#"{"set_access": {"at_2mib": 0, "at_64mib": 0, "at_1gib": 0}, "set_access_quadratic": 0}"#,
+    )
+    .unwrap();
+    let cheap = json(&[
+        "replay",
+        f,
+        "--json",
+        "--cost-model",
+        cost.to_str().unwrap(),
+    ]);
+    // Kinds that cost nothing are left out of the breakdown.
+    assert!(cheap["modeled_driver_by_call"].get("set_access").is_none());
+    assert!(
+        cheap["modeled_driver_us"].as_f64().unwrap() < base["modeled_driver_us"].as_f64().unwrap()
+    );
+    assert_eq!(
+        cheap["driver_calls"], base["driver_calls"],
+        "same calls, different prices"
+    );
+    std::fs::write(&cost, "not json").unwrap();
+    assert_eq!(
+        stitch(&["replay", f, "--cost-model", cost.to_str().unwrap()])
+            .status
+            .code(),
+        Some(2)
+    );
+}

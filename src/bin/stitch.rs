@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Instant;
 use stitch_alloc::driver::sim::H200_CAPACITY;
 use stitch_alloc::driver::{CudaDriver, Driver, HostDriver, SimDriver};
-use stitch_alloc::replay::{replay, Meter, Metered, ReplayOptions, ReplayReport};
+use stitch_alloc::replay::{replay, CostModel, Meter, Metered, ReplayOptions, ReplayReport};
 use stitch_alloc::trace::gen::{self, Kind, Scale};
 use stitch_alloc::trace::{self, Format, ReadOptions, Trace};
 use stitch_alloc::{plot, Allocator, Capacity, Config};
@@ -133,6 +133,10 @@ struct ReplayArgs {
     /// Skip measuring the stranded bytes at each new peak (faster; reports 0).
     #[arg(long)]
     skip_stranded: bool,
+    /// A JSON file overriding fields of the driver cost model (see `stitch info` for the
+    /// defaults), e.g. {"set_access_quadratic": 0.0}.
+    #[arg(long, value_name = "FILE.json")]
+    cost_model: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -268,8 +272,12 @@ fn make_driver(a: &AllocArgs) -> Result<(Arc<dyn Driver>, String), String> {
 }
 
 fn build(a: &AllocArgs) -> Result<Built, String> {
+    build_with(a, CostModel::default())
+}
+
+fn build_with(a: &AllocArgs, cost: CostModel) -> Result<Built, String> {
     let (drv, describe) = make_driver(a)?;
-    let meter = Meter::new(Default::default());
+    let meter = Meter::new(cost);
     let mut cfg = Config::default()
         .with_stitching(!a.no_stitch)
         .with_paranoid(a.paranoid);
@@ -439,7 +447,16 @@ fn print_report(file: &str, t: &Trace, b: &Built, r: &ReplayReport) {
 }
 
 fn cmd_replay(a: &ReplayArgs) -> Result<(), String> {
-    let b = build(&a.alloc)?;
+    let cost = match &a.cost_model {
+        None => CostModel::default(),
+        Some(p) => {
+            let text = std::fs::read_to_string(p)
+                .map_err(|e| format!("cannot read {}: {e}", p.display()))?;
+            serde_json::from_str(&text)
+                .map_err(|e| format!("{}: not a cost model: {e}", p.display()))?
+        }
+    };
+    let b = build_with(&a.alloc, cost)?;
     let t = load(&a.trace)?;
     let opts = ReplayOptions {
         meter: Some(b.meter.clone()),
@@ -530,6 +547,10 @@ fn cmd_info(a: &InfoArgs) -> Result<(), String> {
     );
     out!("device total {} bytes, free {}", info.total, info.free);
     out!("stitching    {}", if b.stitching { "on" } else { "off" });
+    out!(
+        "cost model   {} (microseconds; override with replay --cost-model FILE.json)",
+        serde_json::to_string(&CostModel::default()).map_err(|e| e.to_string())?
+    );
     Ok(())
 }
 
