@@ -23,6 +23,10 @@
 //! # let _ = big;
 //! ```
 //!
+//! Traces and reports: [`trace`] reads, writes and generates allocation traces (including
+//! PyTorch memory snapshots), [`replay`] runs them through an allocator and models the GPU
+//! driver time, [`plot`] draws the results as SVG. The `stitch` program wraps them.
+//!
 //! Layers: [`driver`] (the `Driver` trait and its backends: the only code that touches the
 //! OS or the GPU; [`AnyDriver`] picks one at run time), the engine (pure data structures and
 //! algorithms), and [`Allocator`] (a lock around the engine). See `design/ARCHITECTURE.md`.
@@ -34,8 +38,11 @@ mod config;
 pub mod driver;
 mod engine;
 mod error;
+pub mod plot;
+pub mod replay;
 pub mod stats;
 pub mod testing;
+pub mod trace;
 
 pub use allocator::{Allocator, Buffer, DevicePtr, ShutdownReport};
 pub use backend::{AnyDriver, BackendError};

@@ -1,0 +1,768 @@
+//! `stitch`: replay allocation traces through stitch-alloc, generate synthetic traces, and
+//! show what stitching is worth (`stitch demo`).
+#![forbid(unsafe_code)]
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Instant;
+use stitch_alloc::driver::sim::H200_CAPACITY;
+use stitch_alloc::driver::{CudaDriver, Driver, HostDriver, SimDriver};
+use stitch_alloc::replay::{replay, CostModel, Meter, Metered, ReplayOptions, ReplayReport};
+use stitch_alloc::trace::gen::{self, Kind, Scale};
+use stitch_alloc::trace::{self, Format, ReadOptions, Trace};
+use stitch_alloc::{plot, Allocator, Capacity, Config};
+
+/// `println!` that ignores a closed pipe (`stitch ... | head` must not panic).
+macro_rules! out {
+    () => {{
+        use std::io::Write;
+        let _ = writeln!(std::io::stdout());
+    }};
+    ($($t:tt)*) => {{
+        use std::io::Write;
+        let _ = writeln!(std::io::stdout(), $($t)*);
+    }};
+}
+
+#[derive(Parser)]
+#[command(
+    name = "stitch",
+    version,
+    about = "Replay GPU allocation traces through stitch-alloc and see what stitching is worth.",
+    long_about = "Replay GPU allocation traces (stitch's text format or PyTorch memory \
+                  snapshots) through stitch-alloc, on a simulated H200 or real host memory; \
+                  generate synthetic traces; compare stitching on and off (`stitch demo`)."
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Replay a trace and report memory, fragmentation and modeled driver time.
+    Replay(ReplayArgs),
+    /// Generate a deterministic synthetic trace.
+    Gen(GenArgs),
+    /// Run a fragmenting workload with stitching on and off, side by side.
+    Demo(DemoArgs),
+    /// Show the backend, device, granularity and capacity.
+    Info(InfoArgs),
+    /// Draw the allocator's address space after a chosen event as SVG.
+    Map(MapArgs),
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+enum Backend {
+    /// CUDA device 0 when a usable GPU and driver are found, else the simulator.
+    Auto,
+    /// SimDriver: an accounting-only simulated GPU (default: an H200, 139.8 GiB).
+    Sim,
+    /// HostDriver: real host memory, remapped with mmap and memfd (default 16 GiB).
+    Host,
+    /// A real GPU (device 0) through the CUDA driver, loaded at run time.
+    Cuda,
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+enum FormatArg {
+    /// Detect (a pickle is a PyTorch snapshot, anything else text).
+    Auto,
+    /// The text format.
+    Text,
+    /// A PyTorch memory snapshot pickle.
+    Pytorch,
+}
+
+#[derive(Args, Clone)]
+struct AllocArgs {
+    /// The device backend.
+    #[arg(long, value_enum, default_value = "auto")]
+    backend: Backend,
+    /// Device capacity in bytes (suffixes: KiB, MiB, GiB, TiB, KB, MB, GB, TB).
+    #[arg(long, value_parser = parse_bytes)]
+    capacity: Option<u64>,
+    /// Turn stitching off (the baseline: release and re-create instead).
+    #[arg(long)]
+    no_stitch: bool,
+    /// Smallest handle created for a large request (default: the granularity).
+    #[arg(long, value_parser = parse_bytes)]
+    min_handle: Option<u64>,
+    /// Largest single handle (default 128 MiB).
+    #[arg(long, value_parser = parse_bytes)]
+    max_handle: Option<u64>,
+    /// Growth slack: create new memory while reserved stays within (1 + slack) x peak live,
+    /// reuse (stitch) free handles past it (default 0.01).
+    #[arg(long)]
+    reserve_slack: Option<f64>,
+    /// Floor under the growth slack, in bytes (default 256 MiB).
+    #[arg(long, value_parser = parse_bytes)]
+    reserve_slack_min: Option<u64>,
+    /// Check every allocator invariant after each operation (slow).
+    #[arg(long)]
+    paranoid: bool,
+}
+
+#[derive(Args, Clone)]
+struct TraceArgs {
+    /// The trace: text (`a <id> <bytes> [stream]` / `f <id> [bytes] [stream]`) or a PyTorch
+    /// snapshot pickle, either optionally gzipped.
+    file: PathBuf,
+    /// The trace format.
+    #[arg(long, value_enum, default_value = "auto")]
+    format: FormatArg,
+    /// For PyTorch snapshots: the device whose trace to replay (default: first non-empty).
+    #[arg(long)]
+    device: Option<usize>,
+}
+
+#[derive(Args)]
+struct ReplayArgs {
+    #[command(flatten)]
+    trace: TraceArgs,
+    #[command(flatten)]
+    alloc: AllocArgs,
+    /// Print exactly one JSON object instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// Write an SVG of live and reserved bytes over the replay.
+    #[arg(long, value_name = "OUT.svg")]
+    plot: Option<PathBuf>,
+    /// Skip measuring the stranded bytes at each new peak (faster; reports 0).
+    #[arg(long)]
+    skip_stranded: bool,
+    /// A JSON file overriding fields of the driver cost model (see `stitch info` for the
+    /// defaults), e.g. {"set_access_quadratic": 0.0}.
+    #[arg(long, value_name = "FILE.json")]
+    cost_model: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct GenArgs {
+    /// llm, train, checkerboard or adversarial.
+    kind: Kind,
+    /// The seed: the same seed gives the same trace, byte for byte.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Output file (gzipped when it ends in .gz).
+    #[arg(long)]
+    out: PathBuf,
+    /// A scaled-down trace (thousands of events, a few GiB) instead of the full size.
+    #[arg(long)]
+    small: bool,
+}
+
+#[derive(Args)]
+struct DemoArgs {
+    /// Print the results as one JSON object.
+    #[arg(long)]
+    json: bool,
+    /// The seed of the generated workloads.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// The backend (default: the simulated H200; `cuda` runs the workloads on the GPU for
+    /// real, filling about 129 GB of it).
+    #[arg(long, value_enum, default_value = "sim")]
+    backend: Backend,
+}
+
+#[derive(Args)]
+struct InfoArgs {
+    #[command(flatten)]
+    alloc: AllocArgs,
+}
+
+#[derive(Args)]
+struct MapArgs {
+    #[command(flatten)]
+    trace: TraceArgs,
+    #[command(flatten)]
+    alloc: AllocArgs,
+    /// Draw the state after this many events (default: the whole trace).
+    #[arg(long)]
+    at: Option<usize>,
+    /// Output SVG.
+    #[arg(long, value_name = "OUT.svg")]
+    out: PathBuf,
+}
+
+/// Parse a byte count with an optional unit suffix.
+fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == '_'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let num = num.replace('_', "");
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kib" => 1 << 10,
+        "m" | "mib" => 1 << 20,
+        "g" | "gib" => 1 << 30,
+        "t" | "tib" => 1 << 40,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        "tb" => 1_000_000_000_000,
+        u => return Err(format!("unknown unit {u:?} in {s:?}")),
+    };
+    if num.contains('.') {
+        let v: f64 = num.parse().map_err(|_| format!("{s:?} is not a size"))?;
+        if !(v.is_finite() && v >= 0.0) {
+            return Err(format!("{s:?} is not a size"));
+        }
+        Ok((v * mult as f64) as u64)
+    } else {
+        let v: u64 = num.parse().map_err(|_| format!("{s:?} is not a size"))?;
+        v.checked_mul(mult)
+            .ok_or_else(|| format!("{s:?} is too large"))
+    }
+}
+
+type Dyn = Metered<Arc<dyn Driver>>;
+
+struct Built {
+    alloc: Allocator<Dyn>,
+    meter: Arc<Meter>,
+    describe: String,
+    stitching: bool,
+}
+
+fn sim_driver(capacity: Option<u64>) -> (Arc<dyn Driver>, String) {
+    let sim = SimDriver::with_capacity(capacity.unwrap_or(H200_CAPACITY));
+    sim.set_panic_on_leak(false);
+    let what = if capacity.is_none() {
+        "simulated NVIDIA H200 (accounting only)"
+    } else {
+        "simulated GPU (accounting only)"
+    };
+    (Arc::new(sim), what.to_string())
+}
+
+fn cuda_driver() -> Result<(Arc<dyn Driver>, String), String> {
+    let d = CudaDriver::new(0).map_err(|e| {
+        format!("the CUDA backend is unavailable ({e}); use --backend sim (a simulated H200) or --backend host")
+    })?;
+    Ok((Arc::new(d), "CUDA device 0".to_string()))
+}
+
+fn make_driver(a: &AllocArgs) -> Result<(Arc<dyn Driver>, String), String> {
+    match a.backend {
+        Backend::Cuda => cuda_driver(),
+        Backend::Auto if CudaDriver::available() => match cuda_driver() {
+            Ok(d) => Ok(d),
+            Err(e) => {
+                eprintln!("stitch: {e}; using the simulator");
+                Ok(sim_driver(a.capacity))
+            }
+        },
+        Backend::Auto | Backend::Sim => Ok(sim_driver(a.capacity)),
+        Backend::Host => {
+            let h = match a.capacity {
+                Some(c) => HostDriver::with_capacity(c),
+                None => HostDriver::new(),
+            }
+            .map_err(|e| format!("cannot create the host backend: {e}"))?;
+            h.set_panic_on_leak(false);
+            Ok((Arc::new(h), "host memory (mmap + memfd)".to_string()))
+        }
+    }
+}
+
+fn build(a: &AllocArgs) -> Result<Built, String> {
+    build_with(a, CostModel::default())
+}
+
+fn build_with(a: &AllocArgs, cost: CostModel) -> Result<Built, String> {
+    let (drv, describe) = make_driver(a)?;
+    let meter = Meter::new(cost);
+    let mut cfg = Config::default()
+        .with_stitching(!a.no_stitch)
+        .with_paranoid(a.paranoid);
+    if a.reserve_slack.is_some() || a.reserve_slack_min.is_some() {
+        let d = Config::default();
+        cfg = cfg.with_reserve_slack(
+            a.reserve_slack.unwrap_or(d.reserve_slack),
+            a.reserve_slack_min.unwrap_or(d.reserve_slack_min),
+        );
+    }
+    if let (Some(c), "cuda") = (a.capacity, drv.name()) {
+        // On a real GPU the capacity limits the allocator, not the device.
+        cfg = cfg.with_capacity(Capacity::Bytes(c));
+    }
+    if a.min_handle.is_some() || a.max_handle.is_some() {
+        let d = Config::default();
+        cfg = cfg.with_handle_sizes(
+            a.min_handle.unwrap_or(d.min_handle),
+            a.max_handle.unwrap_or(d.max_handle),
+        );
+    }
+    let alloc = Allocator::new(Metered::new(drv, meter.clone()), cfg)
+        .map_err(|e| format!("cannot create the allocator: {e}"))?;
+    Ok(Built {
+        alloc,
+        meter,
+        describe,
+        stitching: !a.no_stitch,
+    })
+}
+
+fn load(t: &TraceArgs) -> Result<Trace, String> {
+    let format = match t.format {
+        FormatArg::Auto => Format::Auto,
+        FormatArg::Text => Format::Text,
+        FormatArg::Pytorch => Format::PyTorch,
+    };
+    trace::read_path(
+        &t.file,
+        ReadOptions {
+            format,
+            device: t.device,
+        },
+    )
+    .map_err(|e| format!("{}: {e}", t.file.display()))
+}
+
+fn gib(b: u64) -> String {
+    let g = b as f64 / (1u64 << 30) as f64;
+    if g >= 1.0 {
+        format!("{g:.3} GiB")
+    } else {
+        format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64)
+    }
+}
+
+fn ms(us: f64) -> String {
+    if us >= 1e6 {
+        format!("{:.3} s", us / 1e6)
+    } else if us >= 1e3 {
+        format!("{:.1} ms", us / 1e3)
+    } else {
+        format!("{us:.0} us")
+    }
+}
+
+fn thousands(n: u64) -> String {
+    let s = n.to_string();
+    let mut out = String::new();
+    for (i, c) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+fn print_report(file: &str, t: &Trace, b: &Built, r: &ReplayReport) {
+    let sum = t.summary();
+    let c = &r.driver_calls;
+    use stitch_alloc::driver::DriverOp as Op;
+    out!(
+        "trace            {file}: {} events, {} stream(s)",
+        thousands(t.op_count() as u64),
+        sum.streams
+    );
+    out!(
+        "backend          {} ({}), capacity {}, stitching {}",
+        r.backend,
+        b.describe,
+        gib(r.capacity),
+        if b.stitching { "on" } else { "off" }
+    );
+    out!(
+        "events           {} ({} allocs, {} frees, {} failed allocs)",
+        thousands(r.events),
+        thousands(r.allocs),
+        thousands(r.frees),
+        r.failed_allocs
+    );
+    if let Some(e) = &r.first_error {
+        out!("first failure    {e}");
+    }
+    out!("peak live        {}", gib(r.peak_live_bytes));
+    out!(
+        "peak reserved    {}   ratio {:.4}",
+        gib(r.peak_reserved_bytes),
+        r.ratio
+    );
+    out!("stranded @ peak  {}", gib(r.stranded_bytes_at_peak));
+    out!(
+        "driver calls     reserve {}, create {}, release {}, map {}, unmap {}, set_access {}; events: record {}, query {}, wait {}",
+        c.get(Op::Reserve),
+        c.get(Op::Create),
+        c.get(Op::Release),
+        c.get(Op::Map),
+        c.get(Op::Unmap),
+        c.get(Op::SetAccess),
+        c.get(Op::RecordEvent),
+        c.get(Op::QueryEvent),
+        c.get(Op::WaitEvent)
+    );
+    let mut parts: Vec<(&str, f64)> = r
+        .modeled_driver_by_call
+        .iter()
+        .map(|(k, v)| (*k, *v))
+        .collect();
+    parts.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let top: Vec<String> = parts
+        .iter()
+        .take(4)
+        .filter(|p| p.1 > 0.0)
+        .map(|(k, v)| format!("{k} {}", ms(*v)))
+        .collect();
+    out!(
+        "modeled driver   {}  ({}; H200 medians)",
+        ms(r.modeled_driver_us),
+        top.join(", ")
+    );
+    out!(
+        "stitches         {} (moving {} handles), {} in-place extensions; {} handles created, {} released; {} of {} allocs with no driver call",
+        r.stitches,
+        r.stitched_handles,
+        r.extensions,
+        r.handles_created,
+        r.handles_released,
+        thousands(r.fast_allocs),
+        thousands(r.fast_allocs + r.slow_allocs)
+    );
+    for p in &r.probes {
+        out!(
+            "largest alloc    {} after event {} = {:.2}% of free memory ({}), {:.2}% of reclaimable; first probe alloc {} modeled",
+            gib(p.largest_bytes),
+            p.event,
+            100.0 * p.fraction_of_free,
+            gib(p.free_bytes),
+            100.0 * p.fraction_of_reclaimable,
+            ms(p.first_success_us)
+        );
+    }
+    out!(
+        "wall time        {:.1} ms ({:.2} M events/s)",
+        r.wall_ms,
+        r.events_per_sec / 1e6
+    );
+}
+
+fn cmd_replay(a: &ReplayArgs) -> Result<(), String> {
+    let cost = match &a.cost_model {
+        None => CostModel::default(),
+        Some(p) => {
+            let text = std::fs::read_to_string(p)
+                .map_err(|e| format!("cannot read {}: {e}", p.display()))?;
+            serde_json::from_str(&text)
+                .map_err(|e| format!("{}: not a cost model: {e}", p.display()))?
+        }
+    };
+    let b = build_with(&a.alloc, cost)?;
+    let t = load(&a.trace)?;
+    let opts = ReplayOptions {
+        meter: Some(b.meter.clone()),
+        timeline: a.plot.is_some(),
+        skip_stranded: a.skip_stranded,
+        ..Default::default()
+    };
+    let mut r = replay(&t, &b.alloc, &opts);
+    r.stitching = Some(b.stitching);
+    if b.alloc.driver().name() != "sim" || a.alloc.paranoid {
+        if let Err(e) = b.alloc.validate() {
+            return Err(format!("allocator invariant broken after replay: {e}"));
+        }
+    }
+    if let (Some(path), Some(tl)) = (&a.plot, &r.timeline) {
+        let name = a
+            .trace
+            .file
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let title = format!(
+            "{name}: peak reserved / peak live = {:.4} (stitching {})",
+            r.ratio,
+            if b.stitching { "on" } else { "off" }
+        );
+        std::fs::write(path, plot::timeline_svg(tl, &title))
+            .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    }
+    if a.json {
+        let mut v = serde_json::to_value(&r).map_err(|e| e.to_string())?;
+        if let Some(o) = v.as_object_mut() {
+            o.insert("trace".into(), a.trace.file.display().to_string().into());
+        }
+        out!("{v}");
+    } else {
+        print_report(&a.trace.file.display().to_string(), &t, &b, &r);
+        if let Some(p) = &a.plot {
+            out!("plot             {}", p.display());
+        }
+    }
+    Ok(())
+}
+
+fn cmd_gen(a: &GenArgs) -> Result<(), String> {
+    let scale = if a.small { Scale::Small } else { Scale::Full };
+    let t = gen::generate(a.kind, a.seed, scale);
+    t.write_path(&a.out)
+        .map_err(|e| format!("cannot write {}: {e}", a.out.display()))?;
+    let s = t.summary();
+    eprintln!(
+        "wrote {}: {} {} trace, seed {}, {} events, peak live {}",
+        a.out.display(),
+        if a.small { "small" } else { "full" },
+        a.kind.name(),
+        a.seed,
+        thousands(t.op_count() as u64),
+        gib(s.peak_live_bytes)
+    );
+    Ok(())
+}
+
+fn cmd_info(a: &InfoArgs) -> Result<(), String> {
+    if a.alloc.backend == Backend::Auto {
+        out!(
+            "backend      auto -> {}",
+            if CudaDriver::available() {
+                "cuda (a CUDA driver and device were found)"
+            } else {
+                "sim (no usable CUDA driver or device)"
+            }
+        );
+    }
+    let b = build(&a.alloc)?;
+    let d = b.alloc.driver();
+    let info = d.mem_info().map_err(|e| e.to_string())?;
+    out!("backend      {}", d.name());
+    out!("device       {}", b.describe);
+    out!(
+        "granularity  {} bytes ({})",
+        d.granularity(),
+        gib(d.granularity())
+    );
+    out!(
+        "capacity     {} bytes ({})",
+        b.alloc.capacity(),
+        gib(b.alloc.capacity())
+    );
+    out!("device total {} bytes, free {}", info.total, info.free);
+    out!("stitching    {}", if b.stitching { "on" } else { "off" });
+    out!(
+        "cost model   {} (microseconds; override with replay --cost-model FILE.json)",
+        serde_json::to_string(&CostModel::default()).map_err(|e| e.to_string())?
+    );
+    Ok(())
+}
+
+fn cmd_map(a: &MapArgs) -> Result<(), String> {
+    let b = build(&a.alloc)?;
+    let t = load(&a.trace)?;
+    let at = a.at.unwrap_or(t.events.len()).min(t.events.len());
+    let opts = ReplayOptions {
+        meter: Some(b.meter.clone()),
+        stop_after: Some(at),
+        ..Default::default()
+    };
+    let r = replay(&t, &b.alloc, &opts);
+    let snap = b.alloc.snapshot();
+    let name = a
+        .trace
+        .file
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let title = format!(
+        "{name} after {at} events (stitching {})",
+        if b.stitching { "on" } else { "off" }
+    );
+    std::fs::write(&a.out, plot::map_svg(&snap, &title))
+        .map_err(|e| format!("cannot write {}: {e}", a.out.display()))?;
+    eprintln!(
+        "wrote {}: {} runs, {} handles, live {}, reserved {}, stranded {} after {} events ({} failed allocs)",
+        a.out.display(),
+        snap.runs.len(),
+        snap.handles.len(),
+        gib(snap.detailed.stats.requested.current),
+        gib(snap.detailed.stats.reserved.current),
+        gib(snap.detailed.stranded_bytes),
+        at,
+        r.failed_allocs
+    );
+    Ok(())
+}
+
+struct DemoRow {
+    ratio_on: f64,
+    ratio_off: f64,
+    reserved_on: u64,
+    reserved_off: u64,
+    failed_on: u64,
+    failed_off: u64,
+    us_on: f64,
+    us_off: f64,
+}
+
+fn demo_run(t: &Trace, stitching: bool, backend: Backend) -> Result<ReplayReport, String> {
+    let b = build(&AllocArgs {
+        backend,
+        capacity: None,
+        no_stitch: !stitching,
+        min_handle: None,
+        max_handle: None,
+        reserve_slack: None,
+        reserve_slack_min: None,
+        paranoid: false,
+    })?;
+    let opts = ReplayOptions {
+        meter: Some(b.meter.clone()),
+        ..Default::default()
+    };
+    let mut r = replay(t, &b.alloc, &opts);
+    r.stitching = Some(stitching);
+    Ok(r)
+}
+
+fn cmd_demo(a: &DemoArgs) -> Result<(), String> {
+    let t0 = Instant::now();
+    let llm = gen::generate(Kind::Llm, a.seed, Scale::Full);
+    let cb = gen::generate(Kind::Checkerboard, a.seed, Scale::Full);
+    let l_on = demo_run(&llm, true, a.backend)?;
+    let l_off = demo_run(&llm, false, a.backend)?;
+    let c_on = demo_run(&cb, true, a.backend)?;
+    let c_off = demo_run(&cb, false, a.backend)?;
+    let row = DemoRow {
+        ratio_on: l_on.ratio,
+        ratio_off: l_off.ratio,
+        reserved_on: l_on.peak_reserved_bytes,
+        reserved_off: l_off.peak_reserved_bytes,
+        failed_on: l_on.failed_allocs,
+        failed_off: l_off.failed_allocs,
+        us_on: l_on.modeled_driver_us,
+        us_off: l_off.modeled_driver_us,
+    };
+    let probe = |r: &ReplayReport| r.probes.last().cloned().unwrap_or_default();
+    let (p_on, p_off) = (probe(&c_on), probe(&c_off));
+    if a.json {
+        let v = serde_json::json!({
+            "llm": { "stitching_on": l_on, "stitching_off": l_off },
+            "checkerboard": { "stitching_on": c_on, "stitching_off": c_off },
+        });
+        out!("{v}");
+        return Ok(());
+    }
+    let device = if l_on.backend == "sim" {
+        "a simulated H200 (139.8 GiB)".to_string()
+    } else {
+        format!("the {} backend ({})", l_on.backend, gib(l_on.capacity))
+    };
+    out!("stitch demo: the same workloads replayed on {device}, stitching on and off.");
+    out!(
+        "Workloads: LLM inference ({} events, KV caches growing by realloc, temporaries freed out of order) and",
+        thousands(llm.op_count() as u64)
+    );
+    out!("the checkerboard (fill 129 GB with 100-300 MiB tensors, free every other one, then ask for the largest tensor).");
+    out!();
+    out!("{:<44} {:>16} {:>16}", "", "stitching on", "stitching off");
+    out!(
+        "{:<44} {:>16} {:>16}",
+        "LLM: peak reserved",
+        gib(row.reserved_on),
+        gib(row.reserved_off)
+    );
+    out!(
+        "{:<44} {:>16} {:>16}",
+        format!(
+            "LLM: peak reserved / peak live ({})",
+            gib(l_on.peak_live_bytes)
+        ),
+        format!("{:.4}", row.ratio_on),
+        format!("{:.4}", row.ratio_off)
+    );
+    out!(
+        "{:<44} {:>16} {:>16}",
+        "LLM: failed allocations",
+        row.failed_on,
+        row.failed_off
+    );
+    out!(
+        "{:<44} {:>16} {:>16}",
+        "LLM: modeled driver time",
+        ms(row.us_on),
+        ms(row.us_off)
+    );
+    out!(
+        "{:<44} {:>16} {:>16}",
+        "checkerboard: largest allocation that fits",
+        gib(p_on.largest_bytes),
+        gib(p_off.largest_bytes)
+    );
+    out!(
+        "{:<44} {:>16} {:>16}",
+        "checkerboard: ... as % of free memory",
+        format!("{:.2}%", 100.0 * p_on.fraction_of_free),
+        format!("{:.2}%", 100.0 * p_off.fraction_of_free)
+    );
+    out!(
+        "{:<44} {:>16} {:>16}",
+        "checkerboard: modeled time of that alloc",
+        ms(p_on.first_success_us),
+        ms(p_off.first_success_us)
+    );
+    out!(
+        "{:<44} {:>16} {:>16}",
+        "checkerboard: modeled driver time, total",
+        ms(c_on.modeled_driver_us),
+        ms(c_off.modeled_driver_us)
+    );
+    out!();
+    out!(
+        "What you are looking at: the ratio is physical memory held per byte in use (1.0 = no waste; PyTorch's \
+         default allocator: 1.317 on a similar trace), the checkerboard rows how much of the free memory one tensor \
+         still gets after fragmentation (PyTorch: 99.7% after 230-370 ms stalls) and what its CUDA calls would cost \
+         on an H200."
+    );
+    out!(
+        "(Stitching off is stitch-alloc's own baseline: it releases free memory and re-creates it instead of \
+         remapping it, which costs more driver time and lets another process take the memory in between.)"
+    );
+    out!(
+        "({} s of wall time)",
+        format_args!("{:.2}", t0.elapsed().as_secs_f64())
+    );
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let r = match &cli.cmd {
+        Cmd::Replay(a) => cmd_replay(a),
+        Cmd::Gen(a) => cmd_gen(a),
+        Cmd::Demo(a) => cmd_demo(a),
+        Cmd::Info(a) => cmd_info(a),
+        Cmd::Map(a) => cmd_map(a),
+    };
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("stitch: error: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_bytes;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_bytes("4096"), Ok(4096));
+        assert_eq!(parse_bytes("8GiB"), Ok(8 << 30));
+        assert_eq!(parse_bytes("1.5 GiB"), Ok(3 << 29));
+        assert_eq!(parse_bytes("129GB"), Ok(129_000_000_000));
+        assert_eq!(parse_bytes("2m"), Ok(2 << 20));
+        assert!(parse_bytes("lots").is_err());
+        assert!(parse_bytes("12 parsecs").is_err());
+        assert!(parse_bytes("99999999999999TiB").is_err());
+    }
+}

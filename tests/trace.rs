@@ -1,0 +1,799 @@
+//! Trace formats, generators, replay and the `stitch` command line.
+
+use serde_pickle::{HashableValue, SerOptions, Value};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use stitch_alloc::driver::SimDriver;
+use stitch_alloc::replay::{replay, Meter, Metered, ReplayOptions};
+use stitch_alloc::trace::gen::{self, Kind, Rng, Scale};
+use stitch_alloc::trace::{self, Event, Format, ReadOptions, Trace, TraceError};
+use stitch_alloc::{Allocator, Config};
+
+const GIB: u64 = 1 << 30;
+
+fn data(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data")
+        .join(name)
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("stitch-trace-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+fn read(name: &str) -> Result<Trace, TraceError> {
+    trace::read_path(data(name), ReadOptions::default())
+}
+
+// ----- text format -----
+
+#[test]
+fn text_round_trip_every_generator() {
+    for kind in Kind::ALL {
+        let t = gen::generate(kind, 11, Scale::Small);
+        t.validate().unwrap();
+        let text = t.to_text();
+        let back = Trace::parse_str(&text).unwrap();
+        assert_eq!(back, t, "{kind:?}");
+        assert_eq!(back.to_text(), text);
+    }
+}
+
+#[test]
+fn text_format_details() {
+    let t = Trace::parse_str(
+        "# header\n\n  a 5 100\t3\r\na 6 7\n# probe-largest\nf 6 7 3\nf 5\n   # indented comment\n",
+    )
+    .unwrap();
+    assert_eq!(
+        t.events,
+        vec![
+            Event::Alloc {
+                id: 5,
+                bytes: 100,
+                stream: 3
+            },
+            Event::Alloc {
+                id: 6,
+                bytes: 7,
+                stream: 0
+            },
+            Event::ProbeLargest,
+            Event::Free {
+                id: 6,
+                stream: Some(3)
+            },
+            Event::Free {
+                id: 5,
+                stream: None
+            },
+        ]
+    );
+    // Ids may be reused once freed.
+    Trace::parse_str("a 1 10\nf 1\na 1 20\nf 1\n").unwrap();
+    // A free may give its size without a stream.
+    Trace::parse_str("a 1 10\nf 1 10\n").unwrap();
+}
+
+#[test]
+fn gzip_by_extension_and_by_magic() {
+    let t = gen::generate(Kind::Llm, 3, Scale::Small);
+    let gz = tmp("x.trace.gz");
+    t.write_path(&gz).unwrap();
+    let bytes = std::fs::read(&gz).unwrap();
+    assert!(trace::is_gzip(&bytes));
+    assert_eq!(trace::read_path(&gz, ReadOptions::default()).unwrap(), t);
+    // Same bytes under a name without .gz: detected by the magic number.
+    let renamed = tmp("x-no-extension.trace");
+    std::fs::write(&renamed, &bytes).unwrap();
+    assert_eq!(
+        trace::read_path(&renamed, ReadOptions::default()).unwrap(),
+        t
+    );
+    // Plain text is not compressed.
+    let plain = tmp("x.trace");
+    t.write_path(&plain).unwrap();
+    assert!(!trace::is_gzip(&std::fs::read(&plain).unwrap()));
+    assert_eq!(trace::read_path(&plain, ReadOptions::default()).unwrap(), t);
+}
+
+#[test]
+fn bad_inputs_name_the_line() {
+    use TraceError as E;
+    type Check = Box<dyn Fn(&TraceError) -> bool>;
+    let cases: Vec<(&str, Check)> = vec![
+        (
+            "bad/unknown-action.trace",
+            Box::new(|e| matches!(e, E::UnknownAction { line: 5, action } if action == "x")),
+        ),
+        (
+            "bad/bad-number.trace",
+            Box::new(
+                |e| matches!(e, E::BadNumber { line: 3, field: "bytes", text } if text == "12x"),
+            ),
+        ),
+        (
+            "bad/missing-field.trace",
+            Box::new(|e| {
+                matches!(
+                    e,
+                    E::MissingField {
+                        line: 2,
+                        field: "bytes"
+                    }
+                )
+            }),
+        ),
+        (
+            "bad/unknown-id.trace",
+            Box::new(|e| matches!(e, E::UnknownId { line: 4, id: 9 })),
+        ),
+        (
+            "bad/duplicate-id.trace",
+            Box::new(|e| matches!(e, E::DuplicateId { line: 3, id: 1 })),
+        ),
+        (
+            "bad/zero-size.trace",
+            Box::new(|e| matches!(e, E::AbsurdSize { line: 2, bytes: 0 })),
+        ),
+        (
+            "bad/huge-size.trace",
+            Box::new(|e| {
+                matches!(
+                    e,
+                    E::AbsurdSize {
+                        line: 3,
+                        bytes: 2_000_000_000_000_000_000
+                    }
+                )
+            }),
+        ),
+        (
+            "bad/overflow.trace",
+            Box::new(|e| {
+                matches!(
+                    e,
+                    E::BadNumber {
+                        line: 2,
+                        field: "id",
+                        ..
+                    }
+                )
+            }),
+        ),
+        (
+            "bad/size-mismatch.trace",
+            Box::new(|e| {
+                matches!(
+                    e,
+                    E::SizeMismatch {
+                        line: 3,
+                        id: 1,
+                        expected: 4096,
+                        found: 4097
+                    }
+                )
+            }),
+        ),
+        (
+            "bad/extra-field.trace",
+            Box::new(|e| matches!(e, E::ExtraField { line: 2, text } if text == "9")),
+        ),
+        (
+            "bad/truncated.trace.gz",
+            Box::new(|e| matches!(e, E::Gzip { line, .. } if *line > 1)),
+        ),
+        (
+            "bad/not-a-snapshot.pickle",
+            Box::new(|e| matches!(e, E::Snapshot(m) if m.contains("not a dict"))),
+        ),
+        (
+            "bad/no-device-traces.pickle",
+            Box::new(|e| matches!(e, E::Snapshot(m) if m.contains("device_traces"))),
+        ),
+        (
+            "bad/garbage.pickle",
+            Box::new(|e| matches!(e, E::Snapshot(m) if m.contains("unpickle"))),
+        ),
+        (
+            "bad/snapshot-missing-addr.pickle",
+            Box::new(
+                |e| matches!(e, E::SnapshotEvent { device: 0, index: 2, message } if message.contains("addr")),
+            ),
+        ),
+    ];
+    for (file, ok) in cases {
+        let e = read(file).expect_err(file);
+        assert!(ok(&e), "{file}: unexpected error {e:?}");
+        // The message names the place.
+        let msg = e.to_string();
+        assert!(
+            msg.contains("line") || msg.contains("event") || msg.contains("snapshot"),
+            "{file}: {msg}"
+        );
+    }
+}
+
+#[test]
+fn missing_file_is_an_error() {
+    let e = trace::read_path(data("no-such-file.trace"), ReadOptions::default()).unwrap_err();
+    assert!(matches!(e, TraceError::Io { .. }));
+}
+
+#[test]
+fn garbage_never_panics() {
+    let good = gen::generate(Kind::Adversarial, 5, Scale::Small)
+        .to_text()
+        .into_bytes();
+    let gz = {
+        let p = tmp("g.trace.gz");
+        gen::generate(Kind::Train, 5, Scale::Small)
+            .write_path(&p)
+            .unwrap();
+        std::fs::read(p).unwrap()
+    };
+    let pickle = std::fs::read(data("torch-small.pickle")).unwrap();
+    let mut r = Rng::new(99);
+    for round in 0..300 {
+        let base: &[u8] = match round % 3 {
+            0 => &good[..good.len().min(4000)],
+            1 => &gz,
+            _ => &pickle,
+        };
+        let mut v = base.to_vec();
+        // Mutate a few bytes, sometimes truncate.
+        for _ in 0..r.range(1, 8) {
+            let i = r.below(v.len() as u64) as usize;
+            v[i] = r.next_u64() as u8;
+        }
+        if r.chance(0.3) {
+            v.truncate(r.below(v.len() as u64) as usize);
+        }
+        for format in [Format::Auto, Format::Text, Format::PyTorch] {
+            let _ = trace::read_bytes(
+                &v,
+                ReadOptions {
+                    format,
+                    device: None,
+                },
+            );
+        }
+    }
+    // Pure random bytes.
+    for _ in 0..100 {
+        let n = r.below(300) as usize;
+        let v: Vec<u8> = (0..n).map(|_| r.next_u64() as u8).collect();
+        let _ = trace::read_bytes(&v, ReadOptions::default());
+    }
+}
+
+// ----- PyTorch snapshots -----
+
+#[test]
+fn real_pytorch_snapshot() {
+    let expected: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(data("torch-small.expected.json")).unwrap())
+            .unwrap();
+    let n_alloc = expected["actions"]["alloc"].as_u64().unwrap();
+    let n_free = expected["actions"]["free_requested"].as_u64().unwrap();
+    for name in ["torch-small.pickle", "torch-small.pickle.gz"] {
+        let t = read(name).unwrap();
+        t.validate().unwrap();
+        let s = t.summary();
+        // One tensor was allocated before recording began and freed during it.
+        assert_eq!(s.allocs, n_alloc + 1, "{name}");
+        assert_eq!(s.frees, n_free, "{name}");
+        assert_eq!(s.streams, expected["alloc_streams"].as_u64().unwrap());
+        assert!(
+            matches!(t.events[0], Event::Alloc { bytes, stream: 0, .. } if bytes == 3 * (1 << 20) + 512)
+        );
+        let a = Allocator::new(SimDriver::new(), Config::default().with_paranoid(true)).unwrap();
+        let r = replay(&t, &a, &ReplayOptions::default());
+        assert_eq!(r.failed_allocs + r.failed_frees, 0);
+        a.validate().unwrap();
+    }
+}
+
+fn d(pairs: &[(&str, Value)]) -> Value {
+    Value::Dict(
+        pairs
+            .iter()
+            .map(|(k, v)| (HashableValue::String(k.to_string()), v.clone()))
+            .collect::<BTreeMap<_, _>>(),
+    )
+}
+
+fn ev(action: &str, addr: i64, size: i64, stream: Value) -> Value {
+    d(&[
+        ("action", Value::String(action.into())),
+        ("addr", Value::I64(addr)),
+        ("size", Value::I64(size)),
+        ("stream", stream),
+        ("time_us", Value::I64(12345)),
+        (
+            "frames",
+            Value::List(vec![d(&[("name", Value::String("f".into()))])]),
+        ),
+    ])
+}
+
+fn snapshot(devices: Vec<Vec<Value>>) -> Vec<u8> {
+    let v = d(&[
+        ("segments", Value::List(vec![])),
+        (
+            "device_traces",
+            Value::List(devices.into_iter().map(Value::List).collect()),
+        ),
+        ("allocator_settings", d(&[])),
+    ]);
+    serde_pickle::value_to_vec(&v, SerOptions::new()).unwrap()
+}
+
+#[test]
+fn synthetic_pytorch_snapshots() {
+    let s0 = || Value::I64(0);
+    let big_stream = Value::I64(0x7f00_dead_beef);
+    // free_requested is the free; free_completed is ignored; pre-recording memory is
+    // allocated first; streams are kept; extra keys are fine.
+    let bytes = snapshot(vec![
+        vec![],
+        vec![
+            ev("alloc", 4096, 100, s0()),
+            ev("segment_alloc", 0, 2 << 20, s0()),
+            ev("free_requested", 8192, 300, big_stream.clone()),
+            ev("free_completed", 8192, 300, big_stream.clone()),
+            ev("alloc", 16384, 50, big_stream.clone()),
+            ev("free_requested", 4096, 100, s0()),
+            ev("oom", 0, 0, s0()),
+            ev("free_completed", 4096, 100, s0()),
+            ev("alloc", 4096, 70, s0()),
+        ],
+    ]);
+    let t = trace::read_bytes(&bytes, ReadOptions::default()).unwrap();
+    let bs = 0x7f00_dead_beef;
+    assert_eq!(
+        t.events,
+        vec![
+            Event::Alloc {
+                id: 1,
+                bytes: 300,
+                stream: bs
+            },
+            Event::Alloc {
+                id: 0,
+                bytes: 100,
+                stream: 0
+            },
+            Event::Free {
+                id: 1,
+                stream: Some(bs)
+            },
+            Event::Alloc {
+                id: 2,
+                bytes: 50,
+                stream: bs
+            },
+            Event::Free {
+                id: 0,
+                stream: Some(0)
+            },
+            Event::Alloc {
+                id: 3,
+                bytes: 70,
+                stream: 0
+            },
+        ]
+    );
+    // Device selection: device 0 is empty.
+    let e = trace::read_bytes(
+        &bytes,
+        ReadOptions {
+            device: Some(0),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert!(e.events.is_empty());
+    assert!(trace::read_bytes(
+        &bytes,
+        ReadOptions {
+            device: Some(5),
+            ..Default::default()
+        }
+    )
+    .is_err());
+    // Only free_completed recorded: it is taken as the free.
+    let only_completed = snapshot(vec![vec![
+        ev("alloc", 4096, 100, s0()),
+        ev("free_completed", 4096, 100, s0()),
+        ev("free_completed", 9999, 10, s0()),
+    ]]);
+    let t = trace::read_bytes(&only_completed, ReadOptions::default()).unwrap();
+    assert_eq!(t.summary().allocs, 2);
+    assert_eq!(t.summary().frees, 2);
+    // Gzipped snapshots work too.
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    std::io::Write::write_all(&mut gz, &only_completed).unwrap();
+    let gz = gz.finish().unwrap();
+    assert_eq!(trace::read_bytes(&gz, ReadOptions::default()).unwrap(), t);
+    // Errors name the event index.
+    let bad = snapshot(vec![vec![
+        ev("alloc", 4096, 100, s0()),
+        ev("alloc", 4096, 100, s0()),
+    ]]);
+    let e = trace::read_bytes(&bad, ReadOptions::default()).unwrap_err();
+    assert!(
+        matches!(e, TraceError::SnapshotEvent { index: 1, .. }),
+        "{e}"
+    );
+    let neg = snapshot(vec![vec![ev("alloc", -5, 100, s0())]]);
+    let e = trace::read_bytes(&neg, ReadOptions::default()).unwrap_err();
+    assert!(
+        matches!(e, TraceError::SnapshotEvent { index: 0, .. }),
+        "{e}"
+    );
+    let zero = snapshot(vec![vec![ev("alloc", 5, 0, s0())]]);
+    assert!(trace::read_bytes(&zero, ReadOptions::default()).is_err());
+}
+
+// ----- generators -----
+
+#[test]
+fn generators_are_deterministic() {
+    for kind in Kind::ALL {
+        let a = gen::generate(kind, 42, Scale::Small).to_text();
+        let b = gen::generate(kind, 42, Scale::Small).to_text();
+        let c = gen::generate(kind, 43, Scale::Small).to_text();
+        assert_eq!(a, b, "{kind:?}");
+        if kind != Kind::Train || a != c {
+            assert_ne!(a, c, "{kind:?}: the seed should matter");
+        }
+    }
+    // The shipped traces are exactly what `stitch gen KIND --small --seed 1` writes.
+    for (file, kind) in [
+        ("llm-small.trace.gz", Kind::Llm),
+        ("train-small.trace", Kind::Train),
+        ("checkerboard-small.trace", Kind::Checkerboard),
+        ("adversarial-small.trace.gz", Kind::Adversarial),
+    ] {
+        assert_eq!(
+            read(file).unwrap(),
+            gen::generate(kind, 1, Scale::Small),
+            "{file}"
+        );
+    }
+}
+
+#[test]
+fn full_size_generators_match_the_brief() {
+    let llm = gen::generate(Kind::Llm, 1, Scale::Full).summary();
+    let events = llm.allocs + llm.frees;
+    assert!((75_000..95_000).contains(&events), "{events} events");
+    assert!(
+        (36 * GIB..44 * GIB).contains(&llm.peak_live_bytes),
+        "peak live {}",
+        llm.peak_live_bytes
+    );
+    assert!(llm.small_allocs > llm.allocs / 2, "many small tensors");
+    assert_eq!(llm.final_live_bytes, 0);
+    let cb = gen::generate(Kind::Checkerboard, 1, Scale::Full).summary();
+    assert!(cb.peak_live_bytes >= 129_000_000_000 - (300 << 20));
+    assert_eq!(cb.probes, 1);
+    let adv = gen::generate(Kind::Adversarial, 1, Scale::Full).summary();
+    assert_eq!(adv.streams, 4);
+    assert!(adv.largest_alloc > GIB);
+}
+
+// ----- replay -----
+
+fn shipped() -> Vec<(&'static str, u64)> {
+    vec![
+        ("llm-small.trace.gz", 4 * GIB),
+        ("train-small.trace", 4 * GIB),
+        ("checkerboard-small.trace", 2 * GIB),
+        ("adversarial-small.trace.gz", 4 * GIB),
+        ("torch-small.pickle.gz", 4 * GIB),
+    ]
+}
+
+#[test]
+fn shipped_traces_replay_cleanly_under_paranoid_checks() {
+    for (file, cap) in shipped() {
+        let t = read(file).unwrap();
+        for stitching in [true, false] {
+            let meter = Meter::new(Default::default());
+            let a = Allocator::new(
+                Metered::new(SimDriver::with_capacity(cap), meter.clone()),
+                Config::default()
+                    .with_paranoid(true)
+                    .with_stitching(stitching),
+            )
+            .unwrap();
+            let r = replay(
+                &t,
+                &a,
+                &ReplayOptions {
+                    meter: Some(meter),
+                    timeline: true,
+                    ..Default::default()
+                },
+            );
+            assert_eq!(r.failed_allocs, 0, "{file}: {:?}", r.first_error);
+            assert_eq!(r.failed_frees, 0, "{file}");
+            assert_eq!(r.events as usize, t.op_count());
+            a.validate().unwrap();
+            assert!(r.ratio >= 1.0 && r.ratio < 3.0, "{file}: ratio {}", r.ratio);
+            assert_eq!(r.peak_live_bytes, t.summary().peak_live_bytes, "{file}");
+            assert!(r.modeled_driver_us > 0.0);
+            assert_eq!(r.cost_basis, "exact-sizes");
+            let tl = r.timeline.as_ref().unwrap();
+            assert_eq!(tl.live.len(), t.events.len());
+            assert!(tl.stitches.len() as u64 <= r.stitches);
+            if !stitching {
+                assert_eq!(r.stitches, 0);
+            }
+        }
+    }
+}
+
+#[test]
+fn checkerboard_probe_finds_all_reclaimable_memory() {
+    let t = read("checkerboard-small.trace").unwrap();
+    let a = Allocator::new(SimDriver::with_capacity(2 * GIB), Config::default()).unwrap();
+    let r = replay(&t, &a, &ReplayOptions::default());
+    let p = &r.probes[0];
+    assert_eq!(r.largest_alloc_after, Some(p.largest_bytes));
+    assert!(p.fraction_of_reclaimable >= 0.999, "{p:?}");
+    assert!(p.fraction_of_free > 0.95, "{p:?}");
+    assert!(p.first_success_us > 0.0);
+    // The probe left what is live unchanged.
+    assert_eq!(r.final_live_bytes, 0);
+    assert_eq!(a.stats().live_allocations.current, 0);
+    // Counted cost basis without a meter.
+    assert_eq!(r.cost_basis, "counts");
+}
+
+#[test]
+fn replay_stops_where_asked_and_counts_failures() {
+    let t = Trace::parse_str("a 1 1048576000\na 2 1048576000\na 3 1048576000\nf 3\nf 1\n").unwrap();
+    let a = Allocator::new(SimDriver::with_capacity(2 * GIB), Config::default()).unwrap();
+    let r = replay(&t, &a, &ReplayOptions::default());
+    assert_eq!((r.allocs, r.failed_allocs, r.skipped_frees), (3, 1, 1));
+    assert!(r.first_error.unwrap().contains("event 2"));
+    let a = Allocator::new(SimDriver::with_capacity(2 * GIB), Config::default()).unwrap();
+    let r = replay(
+        &t,
+        &a,
+        &ReplayOptions {
+            stop_after: Some(2),
+            ..Default::default()
+        },
+    );
+    assert_eq!((r.events, r.failed_allocs), (2, 0));
+    assert_eq!(a.stats().live_allocations.current, 2);
+}
+
+// ----- the command line -----
+
+fn stitch(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_stitch"))
+        .args(args)
+        .output()
+        .expect("run stitch")
+}
+
+fn json(args: &[&str]) -> serde_json::Value {
+    let out = stitch(args);
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(text.trim().lines().count(), 1, "exactly one JSON line");
+    serde_json::from_str(text.trim()).unwrap()
+}
+
+#[test]
+fn cli_replay_json_has_every_key() {
+    let f = data("llm-small.trace.gz");
+    let v = json(&["replay", f.to_str().unwrap(), "--json"]);
+    for k in [
+        "events",
+        "allocs",
+        "failed_allocs",
+        "peak_live_bytes",
+        "peak_reserved_bytes",
+        "ratio",
+        "stranded_bytes_at_peak",
+        "driver_calls",
+        "modeled_driver_us",
+        "wall_ms",
+    ] {
+        assert!(v.get(k).is_some(), "missing key {k}: {v}");
+    }
+    for k in ["reserve", "create", "release", "map", "unmap", "set_access"] {
+        assert!(v["driver_calls"][k].is_u64(), "driver_calls.{k}: {v}");
+    }
+    assert_eq!(v["failed_allocs"], 0);
+    assert!(v["ratio"].as_f64().unwrap() >= 1.0);
+    assert!(v["modeled_driver_us"].as_f64().unwrap() > 0.0);
+    // PyTorch snapshots replay from the command line too.
+    let p = data("torch-small.pickle");
+    let v = json(&["replay", p.to_str().unwrap(), "--json", "--backend", "sim"]);
+    assert_eq!(v["failed_allocs"], 0);
+}
+
+#[test]
+fn cli_no_stitch_is_no_better_on_the_checkerboard() {
+    let f = data("checkerboard-small.trace");
+    let f = f.to_str().unwrap();
+    let on = json(&["replay", f, "--json", "--capacity", "2GiB"]);
+    let off = json(&["replay", f, "--json", "--capacity", "2GiB", "--no-stitch"]);
+    assert!(
+        off["ratio"].as_f64().unwrap() >= on["ratio"].as_f64().unwrap(),
+        "{on}\n{off}"
+    );
+    assert_eq!(on["stitching"], true);
+    assert_eq!(off["stitching"], false);
+    assert!(on["stitches"].as_u64().unwrap() >= 1);
+    assert_eq!(off["stitches"], 0);
+    assert!(on["largest_alloc_after"].as_u64().unwrap() > GIB);
+}
+
+#[test]
+fn cli_human_output_plot_and_map() {
+    let f = data("llm-small.trace.gz");
+    let svg = tmp("llm.svg");
+    let out = stitch(&[
+        "replay",
+        f.to_str().unwrap(),
+        "--plot",
+        svg.to_str().unwrap(),
+    ]);
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    for word in ["peak reserved", "ratio", "modeled driver", "stranded"] {
+        assert!(text.contains(word), "{word} in\n{text}");
+    }
+    let s = std::fs::read_to_string(&svg).unwrap();
+    assert!(s.starts_with("<svg") && s.trim_end().ends_with("</svg>"));
+    assert!(s.contains("reserved (physical)") && s.contains("<path"));
+    let map = tmp("map.svg");
+    let out = stitch(&[
+        "map",
+        f.to_str().unwrap(),
+        "--at",
+        "1500",
+        "--out",
+        map.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let s = std::fs::read_to_string(&map).unwrap();
+    assert!(s.starts_with("<svg") && s.contains("stranded") && s.contains("<rect"));
+}
+
+#[test]
+fn cli_gen_is_deterministic_and_readable() {
+    let a = tmp("gen-a.trace.gz");
+    let b = tmp("gen-b.trace.gz");
+    for p in [&a, &b] {
+        let out = stitch(&[
+            "gen",
+            "adversarial",
+            "--small",
+            "--seed",
+            "9",
+            "--out",
+            p.to_str().unwrap(),
+        ]);
+        assert!(out.status.success());
+    }
+    let (x, y) = (std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());
+    assert!(trace::is_gzip(&x));
+    assert_eq!(x, y, "same seed, same bytes");
+    assert_eq!(
+        trace::read_path(&a, ReadOptions::default()).unwrap(),
+        gen::generate(Kind::Adversarial, 9, Scale::Small)
+    );
+    assert!(!stitch(&["gen", "nonsense", "--out", "/dev/null"])
+        .status
+        .success());
+}
+
+#[test]
+fn cli_errors_are_clear() {
+    let f = data("bad/unknown-id.trace");
+    let out = stitch(&["replay", f.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(
+        err.contains("line 4") && err.contains("unknown id 9"),
+        "{err}"
+    );
+    if !stitch_alloc::CudaDriver::available() {
+        // No GPU here: asking for CUDA is a clear error, not a silent fallback.
+        let ok = data("train-small.trace");
+        let out = stitch(&["replay", ok.to_str().unwrap(), "--backend", "cuda"]);
+        assert_eq!(out.status.code(), Some(2));
+        let err = String::from_utf8(out.stderr).unwrap();
+        assert!(err.contains("CUDA backend is unavailable"), "{err}");
+    }
+}
+
+#[test]
+fn cli_info_and_host_backend() {
+    let out = stitch(&["info"]);
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("granularity") && text.contains("2097152") && text.contains("capacity"));
+    // A short replay on real host memory.
+    let f = data("train-small.trace");
+    let v = json(&[
+        "replay",
+        f.to_str().unwrap(),
+        "--json",
+        "--backend",
+        "host",
+        "--capacity",
+        "1GiB",
+    ]);
+    assert_eq!(v["backend"], "host");
+    assert_eq!(v["failed_allocs"], 0);
+}
+
+#[test]
+fn cli_demo_runs() {
+    let out = stitch(&["demo"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("stitching on") && text.contains("stitching off"));
+    assert!(text.contains("What you are looking at"));
+}
+
+#[test]
+fn cli_cost_model_override() {
+    let f = data("llm-small.trace.gz");
+    let f = f.to_str().unwrap();
+    let base = json(&["replay", f, "--json"]);
+    let cost = tmp("cost.json");
+    std::fs::write(
+        &cost,
+        r#"{"set_access": {"at_2mib": 0, "at_64mib": 0, "at_1gib": 0}, "set_access_quadratic": 0}"#,
+    )
+    .unwrap();
+    let cheap = json(&[
+        "replay",
+        f,
+        "--json",
+        "--cost-model",
+        cost.to_str().unwrap(),
+    ]);
+    // Kinds that cost nothing are left out of the breakdown.
+    assert!(cheap["modeled_driver_by_call"].get("set_access").is_none());
+    assert!(
+        cheap["modeled_driver_us"].as_f64().unwrap() < base["modeled_driver_us"].as_f64().unwrap()
+    );
+    assert_eq!(
+        cheap["driver_calls"], base["driver_calls"],
+        "same calls, different prices"
+    );
+    std::fs::write(&cost, "not json").unwrap();
+    assert_eq!(
+        stitch(&["replay", f, "--cost-model", cost.to_str().unwrap()])
+            .status
+            .code(),
+        Some(2)
+    );
+}
