@@ -5,10 +5,10 @@
 //! `validate()` every 250,000 operations, and reports throughput, OOMs, stitches, and the
 //! allocator's metadata bytes per live allocation. Exits non-zero on any violation.
 
-use stitch_alloc::driver::SimDriver;
-use stitch_alloc::{AllocError, Allocator, Capacity, Config, DevicePtr, Stream};
 use std::sync::Arc;
 use std::time::Instant;
+use stitch_alloc::driver::SimDriver;
+use stitch_alloc::{AllocError, Allocator, Capacity, Config, DevicePtr, Stream};
 
 const MIB: u64 = 1 << 20;
 
@@ -24,8 +24,11 @@ fn main() {
     };
     let cap = 16u64 << 30;
     let dev = Arc::new(SimDriver::with_capacity(cap));
-    let a = Allocator::new(dev.clone(), Config::default().with_capacity(Capacity::Bytes(cap)))
-        .expect("allocator");
+    let a = Allocator::new(
+        dev.clone(),
+        Config::default().with_capacity(Capacity::Bytes(cap)),
+    )
+    .expect("allocator");
     let g = a.granularity();
     let streams = [Stream(0), Stream(1)];
     let mut live: Vec<(DevicePtr, Stream)> = Vec::new();
@@ -98,6 +101,10 @@ fn main() {
     }
     a.validate().expect("valid at the end");
     drop(a);
-    assert!(dev.leak_report().is_clean(), "leak: {:?}", dev.leak_report());
+    assert!(
+        dev.leak_report().is_clean(),
+        "leak: {:?}",
+        dev.leak_report()
+    );
     println!("soak: clean shutdown, no leak");
 }
