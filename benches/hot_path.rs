@@ -68,10 +68,10 @@ fn mixed(c: &mut Criterion) {
     g.finish();
 }
 
-/// Two threads hammering one allocator: time per pair per thread.
+/// 1, 2 and 4 threads hammering one allocator (10,000 pairs each): throughput in pairs.
 fn threads(c: &mut Criterion) {
     let mut g = c.benchmark_group("threads");
-    for &n in &[1usize, 2] {
+    for &n in &[1usize, 2, 4] {
         let a = Arc::new(Allocator::new(SimDriver::new(), Config::default()).unwrap());
         for t in 0..n {
             warm(&a, 4096 + t as u64 * 512);
