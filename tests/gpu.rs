@@ -473,3 +473,46 @@ fn host_oom_then_recover() {
     .unwrap();
     oom_then_recover(&a, 100 * MIB);
 }
+
+/// The layout and checks of `gpu_free_then_stitch_on_other_stream_waits_for_the_writer` on
+/// the host backend, with simulated work in place of the memsets: the stitch must wait for
+/// the work (the host backend refuses to unmap under in-flight work).
+#[test]
+fn host_free_then_stitch_on_other_stream_waits_for_the_work() {
+    const BLOCK: u64 = 256 * MIB;
+    let (st1, st2) = (Stream(1), Stream(2));
+    let a = Allocator::new(
+        HostDriver::with_capacity(4 * BLOCK).unwrap(),
+        Config::default()
+            .with_capacity(Capacity::Bytes(4 * BLOCK))
+            .with_paranoid(true),
+    )
+    .unwrap();
+    let x = a.alloc(BLOCK, st1).unwrap();
+    let y1 = a.alloc(BLOCK, st1).unwrap();
+    let blk = a.alloc(BLOCK, st1).unwrap();
+    let y2 = a.alloc(BLOCK, st1).unwrap();
+    assert_eq!(a.stats().reserved.current, 4 * BLOCK, "{:?}", a.stats());
+    a.driver().write(x.0, b"x-bytes").unwrap();
+    a.free(x, st1).unwrap();
+    a.driver().write(blk.0 + BLOCK - 7, b"a-bytes").unwrap();
+    let w = a.driver().launch(st1, blk.0, BLOCK);
+    let before = a.stats();
+    a.free(blk, st1).unwrap();
+    let big = a.alloc(2 * BLOCK, st2).unwrap();
+    let st = a.stats();
+    assert!(st.stitches > before.stitches, "no stitch happened: {st:?}");
+    assert!(a.driver().work_done(w), "alloc returned before the work finished");
+    assert!(st.event_waits > before.event_waits, "{st:?}");
+    // Both handles' bytes are in the new span, in some order.
+    let mut buf = vec![0u8; (2 * BLOCK) as usize];
+    a.driver().read(big.0, &mut buf).unwrap();
+    let has = |pat: &[u8]| buf.windows(pat.len()).any(|w| w == pat);
+    assert!(has(b"x-bytes") && has(b"a-bytes"));
+    a.free(big, st2).unwrap();
+    a.free(y1, st1).unwrap();
+    a.free(y2, st1).unwrap();
+    a.validate().unwrap();
+    assert_eq!(a.shutdown().leaked_allocations, 0);
+    assert!(a.driver().leak_report().is_clean());
+}
