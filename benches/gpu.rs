@@ -370,28 +370,47 @@ fn measured_vs_modeled(gpu: &Gpu) {
     );
     println!("== measured vs modeled (H200 medians of anchors.md section 1) driver time:");
     print!("{timings}");
+    // The same trace again on the same allocator: its cache is warm now.
+    a.driver().reset();
+    let (wall_warm, _) = replay(
+        &trace,
+        |size| a.alloc(size, S).unwrap().0,
+        |p| a.free(DevicePtr(p), S).unwrap(),
+    );
+    let warm_driver_ms = a.driver().timings().measured_ns() as f64 / 1e6;
+    let warm_slow = a.stats().slow_allocs - st.slow_allocs;
     drop(a);
 
+    // cudaMallocAsync: a pool that starts empty, then the same trace again on the warm pool.
     let s = gpu.create_stream(true).unwrap();
     gpu.set_default_pool_release_threshold(u64::MAX).unwrap();
-    let (wall_async, _) = replay(
-        &trace,
-        |size| gpu.mem_alloc_async(size, s.stream()).unwrap(),
-        |p| gpu.mem_free_async(p, s.stream()).unwrap(),
-    );
-    gpu.stream_synchronize(s.stream()).unwrap();
+    let mut async_walls = Vec::new();
+    for _ in 0..2 {
+        let t = Instant::now();
+        replay(
+            &trace,
+            |size| gpu.mem_alloc_async(size, s.stream()).unwrap(),
+            |p| gpu.mem_free_async(p, s.stream()).unwrap(),
+        );
+        gpu.stream_synchronize(s.stream()).unwrap();
+        async_walls.push(t.elapsed());
+    }
     gpu.trim_default_pool(0).unwrap();
     let (wall_malloc, _) = replay(
         &trace,
         |size| gpu.mem_alloc(size).unwrap(),
         |p| gpu.mem_free(p).unwrap(),
     );
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
     println!(
-        "replay wall time: stitch-alloc {:.1} ms, cuMemAllocAsync (warm pool after the first \
-         use) {:.1} ms, cuMemAlloc {:.1} ms",
-        wall.as_secs_f64() * 1e3,
-        wall_async.as_secs_f64() * 1e3,
-        wall_malloc.as_secs_f64() * 1e3
+        "replay wall time, cold / warm: stitch-alloc {:.1} / {:.1} ms (warm: {warm_slow} slow \
+         allocs, driver {warm_driver_ms:.1} ms); cuMemAllocAsync {:.1} / {:.1} ms; \
+         cuMemAlloc {:.1} ms",
+        ms(wall),
+        ms(wall_warm),
+        ms(async_walls[0]),
+        ms(async_walls[1]),
+        ms(wall_malloc)
     );
 }
 

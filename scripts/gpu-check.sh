@@ -21,7 +21,7 @@
 # GPU_TESTS (run): space-separated test executables to run (default: all of them);
 # GPU_BENCHES (run): bench executables to run (default: every bench-gpu*; "none" for none);
 # BENCH_ARGS (run): criterion arguments (default: --warm-up-time 1 --measurement-time 3);
-# MEMCHECK_CASES (run): proptest cases per test for gpu_invariants under memcheck (default 2,
+# MEMCHECK_CASES (run): proptest cases per test for gpu_invariants under memcheck (default 8,
 # 0 to skip that run); GPU_TIMEOUT (run): seconds each executable may run before it is
 # killed and counted as failed (default: no limit).
 set -euo pipefail
@@ -206,13 +206,13 @@ run() {
     # The GPU invariants under memcheck, a few cases each: random stream hazards with real
     # work in flight, where an early unmap would be an illegal access.
     if command -v compute-sanitizer >/dev/null && [ -x "$dir/bin/gpu_invariants" ] &&
-        [ "${MEMCHECK_CASES:-2}" != 0 ]; then
+        [ "${MEMCHECK_CASES:-8}" != 0 ]; then
         name=gpu_invariants-memcheck
         log="$logs/$name.log"
         echo "== $name"
         t0=$(date +%s.%N)
         set +e
-        (cd "$dir" && PROPTEST_CASES="${MEMCHECK_CASES:-2}" ${tmo[@]+"${tmo[@]}"} \
+        (cd "$dir" && PROPTEST_CASES="${MEMCHECK_CASES:-8}" ${tmo[@]+"${tmo[@]}"} \
             compute-sanitizer --tool memcheck \
             --error-exitcode 97 ./bin/gpu_invariants --test-threads=1 --nocapture) >"$log" 2>&1
         rc=$?

@@ -481,6 +481,11 @@ pub struct RunCounts {
     pub ooms: u64,
     /// Other refused requests (zero size, too large).
     pub refused: u64,
+    /// Frees of memory that launched work was still using (work not yet complete).
+    pub in_flight_frees: u64,
+    /// Successful allocations made while such freed-but-still-used memory existed (each
+    /// checked against the stream rule).
+    pub allocs_under_hazard: u64,
 }
 
 /// Drives an allocator with [`Op`]s and checks every invariant after each one.
@@ -670,6 +675,9 @@ impl<T: TestDevice> Harness<T> {
                 self.ranges.insert(p, size);
                 self.live.push(l);
                 self.counts.allocs += 1;
+                if !self.hazards.is_empty() {
+                    self.counts.allocs_under_hazard += 1;
+                }
             }
             Err(AllocError::OutOfMemory(r)) => {
                 let d = self.alloc.detailed_stats();
@@ -706,6 +714,7 @@ impl<T: TestDevice> Harness<T> {
             return Err(format!("double free of {:#x} was accepted", l.ptr));
         }
         self.ranges.remove(&l.ptr);
+        let before = self.hazards.len();
         for (s, w) in l.work {
             if !self.dev.work_done(w) {
                 self.hazards.push(Hazard {
@@ -715,6 +724,9 @@ impl<T: TestDevice> Harness<T> {
                     work: w,
                 });
             }
+        }
+        if self.hazards.len() > before {
+            self.counts.in_flight_frees += 1;
         }
         self.counts.frees += 1;
         Ok(())

@@ -409,6 +409,16 @@ fn gpu_free_then_stitch_on_other_stream_waits_for_the_writer() {
         st.event_waits - before.event_waits
     );
     assert!(st.stitches > before.stitches, "no stitch happened: {st:?}");
+    eprintln!(
+        "{}",
+        if big.0 == x.0 {
+            "A's handle was unmapped and mapped after x's (the unmap the fence protects)"
+        } else if big.0 == blk.0 {
+            "x's handle was mapped after A's; A's handle stayed in place"
+        } else {
+            "both handles were mapped at a new address"
+        }
+    );
     assert!(
         writer_done,
         "alloc returned (having remapped A's handle) before the writer on stream 1 finished"
@@ -502,7 +512,11 @@ fn host_free_then_stitch_on_other_stream_waits_for_the_work() {
     let big = a.alloc(2 * BLOCK, st2).unwrap();
     let st = a.stats();
     assert!(st.stitches > before.stitches, "no stitch happened: {st:?}");
-    assert!(a.driver().work_done(w), "alloc returned before the work finished");
+    assert!(
+        a.driver().work_done(w),
+        "alloc returned before the work finished"
+    );
+    assert_eq!(big.0, x.0, "expected A's handle to be remapped after x's");
     assert!(st.event_waits > before.event_waits, "{st:?}");
     // Both handles' bytes are in the new span, in some order.
     let mut buf = vec![0u8; (2 * BLOCK) as usize];

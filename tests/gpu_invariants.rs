@@ -5,7 +5,7 @@
 //! events as the leak check.
 //!
 //! Without a usable CUDA device each test prints `SKIPPED (no CUDA device): <name>` and
-//! passes. Cases: `PROPTEST_CASES`, else 16 per test. Run with `--test-threads=1`.
+//! passes. Cases: `PROPTEST_CASES`, else 32 per test. Run with `--test-threads=1`.
 
 mod common;
 
@@ -37,7 +37,7 @@ fn run(test: &str, cfg: Config, max_size: u64, streams: bool, max_ops: usize) {
         return;
     }
     KEEP.get_or_init(|| CudaDriver::new(0).ok());
-    let cases = common::cases(16);
+    let cases = common::cases(32);
     let mut runner = TestRunner::new(ProptestConfig {
         cases,
         // Shrinking on a GPU is slow; a failure is reported after a bounded search.
@@ -45,25 +45,32 @@ fn run(test: &str, cfg: Config, max_size: u64, streams: bool, max_ops: usize) {
         failure_persistence: None,
         ..ProptestConfig::default()
     });
-    let totals: [AtomicU64; 5] = Default::default();
+    let totals: [AtomicU64; 7] = Default::default();
     let t = Instant::now();
     let strategy = prop::collection::vec(common::op(max_size, streams), 1..max_ops);
     let result = runner.run(&strategy, |ops| {
         let dev = CudaTestDevice::new(0).expect("CUDA is available but the device did not open");
         let h = Harness::new(dev, cfg.clone()).map_err(|e| TestCaseError::fail(e.to_string()))?;
         let c = h.run(&ops).map_err(TestCaseError::fail)?;
-        for (a, v) in totals
-            .iter()
-            .zip([1, ops.len() as u64, c.allocs, c.frees, c.ooms])
-        {
+        for (a, v) in totals.iter().zip([
+            1,
+            ops.len() as u64,
+            c.allocs,
+            c.frees,
+            c.ooms,
+            c.in_flight_frees,
+            c.allocs_under_hazard,
+        ]) {
             a.fetch_add(v, Ordering::Relaxed);
         }
         Ok(())
     });
-    let [n, ops, allocs, frees, ooms] = totals.map(|a| a.into_inner());
+    let [n, ops, allocs, frees, ooms, in_flight, under_hazard] = totals.map(|a| a.into_inner());
     eprintln!(
         "{test}: {n} passing case(s) of {cases}, {ops} ops: {allocs} allocs, {frees} frees, \
-         {ooms} OOMs (each checked against the zero-fragmentation bound) in {:.1?}",
+         {ooms} OOMs (each checked against the zero-fragmentation bound); {in_flight} frees \
+         of memory GPU work was still reading, {under_hazard} allocs while such memory \
+         existed; in {:.1?}",
         t.elapsed()
     );
     if let Err(e) = result {
@@ -80,7 +87,7 @@ fn gpu_invariants_streams() {
         Config::default().with_capacity(Capacity::Bytes(4 * GIB)),
         4 * GIB,
         true,
-        100,
+        200,
     );
 }
 
@@ -95,7 +102,7 @@ fn gpu_invariants_tight_small_handles() {
             .with_handle_sizes(0, 4 * MIB),
         512 * MIB,
         true,
-        100,
+        200,
     );
 }
 
