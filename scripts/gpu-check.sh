@@ -11,11 +11,19 @@
 # run:   prints an nvidia-smi summary, runs each test executable with --test-threads=1
 #        (logs in $OUT/<name>.log when OUT is set, else ./gpu-logs/), runs the gpu test
 #        executable again under compute-sanitizer memcheck when available (skipping the
-#        tests that make deliberate failing API calls), prints a summary table and exits
-#        non-zero if anything failed.
+#        tests that make deliberate failing API calls), and gpu_invariants under memcheck
+#        with a few cases; the GPU bench executables (bench-gpu*) run with short criterion
+#        settings after the tests and before the memcheck runs. It prints a summary table
+#        (and the benches' own summaries) and exits non-zero if anything failed.
 #
 # Environment: CARGO_TARGET_DIR (build) is honoured; GPU_DIR (run) overrides the folder with
 # bin/ and manifest.tsv (default: the folder of this script when it holds them, else ./.gpu).
+# GPU_TESTS (run): space-separated test executables to run (default: all of them);
+# GPU_BENCHES (run): bench executables to run (default: every bench-gpu*; "none" for none);
+# BENCH_ARGS (run): criterion arguments (default: --warm-up-time 1 --measurement-time 3);
+# MEMCHECK_CASES (run): proptest cases per test for gpu_invariants under memcheck (default 8,
+# 0 to skip that run); GPU_TIMEOUT (run): seconds each executable may run before it is
+# killed and counted as failed (default: no limit).
 set -euo pipefail
 
 MAX_MIB=60
@@ -123,14 +131,19 @@ run() {
     fi
     [ -f "$dir/COMMIT" ] && echo "built from commit $(cat "$dir/COMMIT")"
 
-    local rows=() any_fail=0 kind name rc p f s secs t0 log
+    local rows=() any_fail=0 kind name rc p f s secs t0 log tmo=()
+    [ -n "${GPU_TIMEOUT:-}" ] && tmo=(timeout "$GPU_TIMEOUT")
     while IFS=$'\t' read -r kind name; do
         [ "$kind" = test ] || continue
+        if [ -n "${GPU_TESTS:-}" ] && ! grep -qw -- "$name" <<<"$GPU_TESTS"; then
+            continue
+        fi
         log="$logs/$name.log"
         echo "== $name"
         t0=$(date +%s.%N)
         set +e
-        (cd "$dir" && "./bin/$name" --test-threads=1 --nocapture) >"$log" 2>&1
+        (cd "$dir" && ${tmo[@]+"${tmo[@]}"} "./bin/$name" --test-threads=1 --nocapture) \
+            >"$log" 2>&1
         rc=$?
         set -e
         secs=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
@@ -141,6 +154,33 @@ run() {
         rows+=("$(printf '%-32s %7s %7s %8s %5s %8s' "$name" "$p" "$f" "$s" "$rc" "${secs}s")")
     done <"$dir/manifest.tsv"
 
+    # GPU benches (criterion): a bench "passes" when it exits 0.
+    local bench_logs=()
+    while IFS=$'\t' read -r kind name; do
+        [ "$kind" = bench ] || continue
+        if [ -n "${GPU_BENCHES:-}" ]; then
+            grep -qw -- "$name" <<<"$GPU_BENCHES" || continue
+        else
+            case "$name" in bench-gpu*) ;; *) continue ;; esac
+        fi
+        log="$logs/$name.log"
+        echo "== $name"
+        t0=$(date +%s.%N)
+        set +e
+        # shellcheck disable=SC2086
+        (cd "$dir" && CRITERION_HOME="${TMPDIR:-/tmp}/criterion" ${tmo[@]+"${tmo[@]}"} \
+            "./bin/$name" --bench \
+            ${BENCH_ARGS:---warm-up-time 1 --measurement-time 3}) >"$log" 2>&1
+        rc=$?
+        set -e
+        secs=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
+        cat "$log"
+        s=$(grep -c 'SKIPPED (' "$log" || true)
+        if [ "$rc" -eq 0 ]; then p=1 f=0; else p=0 f=1 any_fail=1; fi
+        rows+=("$(printf '%-32s %7s %7s %8s %5s %8s' "$name" "$p" "$f" "$s" "$rc" "${secs}s")")
+        bench_logs+=("$log")
+    done <"$dir/manifest.tsv"
+
     # The GPU tests again under memcheck, without the tests that fail API calls on purpose.
     if command -v compute-sanitizer >/dev/null && [ -x "$dir/bin/gpu" ]; then
         name=gpu-memcheck
@@ -148,7 +188,7 @@ run() {
         echo "== $name"
         t0=$(date +%s.%N)
         set +e
-        (cd "$dir" && compute-sanitizer --tool memcheck --error-exitcode 97 \
+        (cd "$dir" && ${tmo[@]+"${tmo[@]}"} compute-sanitizer --tool memcheck --error-exitcode 97 \
             ./bin/gpu --test-threads=1 --nocapture --skip gpu_errors_are_values --skip gpu_oom_) \
             >"$log" 2>&1
         rc=$?
@@ -163,7 +203,34 @@ run() {
         echo "== compute-sanitizer not found (or no gpu binary): memcheck run skipped"
     fi
 
+    # The GPU invariants under memcheck, a few cases each: random stream hazards with real
+    # work in flight, where an early unmap would be an illegal access.
+    if command -v compute-sanitizer >/dev/null && [ -x "$dir/bin/gpu_invariants" ] &&
+        [ "${MEMCHECK_CASES:-8}" != 0 ]; then
+        name=gpu_invariants-memcheck
+        log="$logs/$name.log"
+        echo "== $name"
+        t0=$(date +%s.%N)
+        set +e
+        (cd "$dir" && PROPTEST_CASES="${MEMCHECK_CASES:-8}" ${tmo[@]+"${tmo[@]}"} \
+            compute-sanitizer --tool memcheck \
+            --error-exitcode 97 ./bin/gpu_invariants --test-threads=1 --nocapture) >"$log" 2>&1
+        rc=$?
+        set -e
+        secs=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
+        cat "$log"
+        read -r p f < <(counts "$log")
+        s=$(grep -c 'SKIPPED (' "$log" || true)
+        [ "$rc" -eq 0 ] && [ "$f" -eq 0 ] || any_fail=1
+        rows+=("$(printf '%-32s %7s %7s %8s %5s %8s' "$name" "$p" "$f" "$s" "$rc" "${secs}s")")
+    fi
+
     {
+        local bl
+        for bl in ${bench_logs[@]+"${bench_logs[@]}"}; do
+            # The bench's own summary: everything from its first "== gpu bench summary" line.
+            sed -n '/^== gpu bench summary/,$p' "$bl"
+        done
         echo "== summary"
         printf '%-32s %7s %7s %8s %5s %8s\n' binary passed failed skipped exit time
         printf '%s\n' "${rows[@]}"

@@ -16,16 +16,31 @@
 //!    another stream (and the device refuses to unmap it: that would surface as an error);
 //! 8. at the end, after freeing everything and dropping the allocator, the device holds
 //!    nothing (no handle, mapping, reservation or event).
+//!
+//! The same harness runs on a real GPU through [`CudaTestDevice`]: real streams, real
+//! asynchronous work that reads the memory it was launched on (an early unmap makes it
+//! fault), and the `CudaDriver`'s own count of what it handed out as the leak report.
 #![forbid(unsafe_code)]
 
-use crate::driver::{Driver, HostDriver, LeakReport, SimDriver, WorkId};
+use crate::driver::{
+    CudaDriver, CudaStream, DevAddr, Driver, DriverResult, EventId, HostDriver, LeakReport,
+    MemInfo, PhysHandle, SimDriver, WorkId,
+};
 use crate::{AllocError, Allocator, Config, DevicePtr, Stream};
+use parking_lot::Mutex;
+use rustc_hash::FxHashMap;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-/// A device whose streams the test controls (the CPU backends).
+/// A device whose streams the test controls: the CPU backends (simulated streams and work)
+/// and [`CudaTestDevice`] (real streams and GPU work).
 pub trait TestDevice: Driver + 'static {
-    /// Queue simulated work touching `[addr, addr+len)` on `stream`.
+    /// The stream that operations name by number `n` (`0..STREAMS`). The CPU backends use
+    /// `Stream(n)`; a GPU needs real stream handles.
+    fn test_stream(&self, n: u8) -> Stream {
+        Stream(n as u64)
+    }
+    /// Queue work touching `[addr, addr+len)` on `stream` (it must not change the bytes).
     fn launch(&self, stream: Stream, addr: u64, len: u64) -> WorkId;
     /// Complete all work on `stream`.
     fn complete(&self, stream: Stream);
@@ -101,6 +116,272 @@ macro_rules! test_device {
 }
 test_device!(SimDriver);
 test_device!(HostDriver);
+
+/// Bytes of scratch memory per test stream that [`CudaTestDevice::launch`] copies into.
+const CUDA_SCRATCH: u64 = 256 << 20;
+/// Memsets of the whole scratch buffer queued before each launch's read of its range, so
+/// the read happens a few milliseconds after the launch (the window in which an early unmap
+/// would make it fault).
+const CUDA_PAD_MEMSETS: u32 = 16;
+
+/// A CUDA device for the [`Harness`]: stream 0 is the legacy default stream, streams 1 and
+/// 2 are created with `CU_STREAM_NON_BLOCKING` (destroyed on drop).
+///
+/// * [`TestDevice::launch`] queues real work on the stream: memsets of a private scratch
+///   buffer (a few milliseconds of GPU time), then `cuMemcpyDtoDAsync` of the whole range
+///   into the scratch buffer. It reads the memory without changing it, so the harness's data
+///   checks hold, and a range unmapped before the copy runs makes it fault with
+///   `CUDA_ERROR_ILLEGAL_ADDRESS` (reported by the next synchronisation, and by
+///   compute-sanitizer). An event recorded after it stands for the work.
+/// * `complete` is `cuStreamSynchronize`, `complete_all` is `cuCtxSynchronize`, `work_done`
+///   is `cuEventQuery`; all panic on a CUDA error (an illegal address, say).
+/// * [`TestDevice::is_accessible`] asks `cuMemGetAccess` (see [`CudaDriver::is_accessible`]).
+/// * The harness's reads and writes use a private non-blocking stream, so they never wait
+///   for the test streams' work (which would hide stream hazards); [`Driver::write`] of the
+///   plain `CudaDriver` synchronises the whole device.
+/// * The leak report is the `CudaDriver`'s count of handles, mappings, reservations and
+///   events handed out and not given back (the launch events included until completed).
+///
+/// ```
+/// use stitch_alloc::testing::{CudaTestDevice, Harness, Op};
+/// use stitch_alloc::{Capacity, Config};
+/// let Ok(dev) = CudaTestDevice::new(0) else { return }; // no GPU here
+/// let cfg = Config::default().with_capacity(Capacity::Bytes(1 << 30));
+/// let h = Harness::new(dev, cfg).unwrap();
+/// h.run(&[
+///     Op::Alloc { size: 64 << 20, stream: 1 },
+///     Op::Launch { pick: 0 },
+///     Op::FreeOn { pick: 0, stream: 2 },
+///     Op::Alloc { size: 1 << 30, stream: 2 },
+/// ])
+/// .unwrap();
+/// ```
+pub struct CudaTestDevice {
+    gpu: CudaDriver,
+    /// Test streams 1 and 2.
+    streams: [CudaStream; 2],
+    /// The harness's reads and writes.
+    copy: CudaStream,
+    /// One scratch buffer per test stream.
+    scratch: [DevAddr; STREAMS as usize],
+    /// Launched work: id -> (stream, its event until it is known complete).
+    work: Mutex<FxHashMap<u64, (Stream, Option<EventId>)>>,
+    next_work: std::sync::atomic::AtomicU64,
+}
+
+impl std::fmt::Debug for CudaTestDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaTestDevice")
+            .field("gpu", &self.gpu)
+            .field("streams", &self.streams)
+            .finish()
+    }
+}
+
+impl CudaTestDevice {
+    /// Open device `ordinal`, create the streams and the scratch buffers.
+    pub fn new(ordinal: i32) -> DriverResult<Self> {
+        let gpu = CudaDriver::new(ordinal)?;
+        let streams = [gpu.create_stream(true)?, gpu.create_stream(true)?];
+        let copy = gpu.create_stream(true)?;
+        let mut scratch = [0; STREAMS as usize];
+        for i in 0..scratch.len() {
+            match gpu.mem_alloc(CUDA_SCRATCH) {
+                Ok(p) => scratch[i] = p,
+                Err(e) => {
+                    for &p in &scratch[..i] {
+                        let _ = gpu.mem_free(p);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(CudaTestDevice {
+            gpu,
+            streams,
+            copy,
+            scratch,
+            work: Mutex::new(FxHashMap::default()),
+            next_work: std::sync::atomic::AtomicU64::new(0),
+        })
+    }
+
+    /// The underlying driver.
+    pub fn gpu(&self) -> &CudaDriver {
+        &self.gpu
+    }
+
+    fn index(&self, s: Stream) -> usize {
+        (0..STREAMS)
+            .position(|n| self.test_stream(n) == s)
+            .unwrap_or_else(|| panic!("stream {:#x} is not a test stream", s.0))
+    }
+
+    /// Destroy the events of completed work (all work when `stream` is `None`).
+    fn retire(&self, stream: Option<Stream>) {
+        let mut work = self.work.lock();
+        for (s, ev) in work.values_mut() {
+            if stream.is_none_or(|x| x == *s) {
+                if let Some(e) = ev.take() {
+                    self.gpu
+                        .destroy_event(e)
+                        .expect("destroying a launch event failed");
+                }
+            }
+        }
+    }
+}
+
+impl Drop for CudaTestDevice {
+    fn drop(&mut self) {
+        if let Err(e) = self.gpu.synchronize() {
+            tracing::warn!(%e, "CudaTestDevice: synchronize at drop failed");
+        }
+        for (_, ev) in self.work.get_mut().values_mut() {
+            if let Some(e) = ev.take() {
+                let _ = self.gpu.destroy_event(e);
+            }
+        }
+        for &p in &self.scratch {
+            if let Err(e) = self.gpu.mem_free(p) {
+                tracing::warn!(%e, "CudaTestDevice: freeing scratch failed");
+            }
+        }
+    }
+}
+
+impl Driver for CudaTestDevice {
+    fn name(&self) -> &'static str {
+        self.gpu.name()
+    }
+    fn granularity(&self) -> u64 {
+        self.gpu.granularity()
+    }
+    fn mem_info(&self) -> DriverResult<MemInfo> {
+        self.gpu.mem_info()
+    }
+    fn reserve(&self, size: u64) -> DriverResult<DevAddr> {
+        self.gpu.reserve(size)
+    }
+    fn free_reservation(&self, base: DevAddr, size: u64) -> DriverResult<()> {
+        self.gpu.free_reservation(base, size)
+    }
+    fn create(&self, size: u64) -> DriverResult<PhysHandle> {
+        self.gpu.create(size)
+    }
+    fn release(&self, handle: PhysHandle) -> DriverResult<()> {
+        self.gpu.release(handle)
+    }
+    fn map(&self, addr: DevAddr, size: u64, handle: PhysHandle) -> DriverResult<()> {
+        self.gpu.map(addr, size, handle)
+    }
+    fn unmap(&self, addr: DevAddr, size: u64) -> DriverResult<()> {
+        self.gpu.unmap(addr, size)
+    }
+    fn set_access(&self, addr: DevAddr, size: u64) -> DriverResult<()> {
+        self.gpu.set_access(addr, size)
+    }
+    fn record_event(&self, stream: Stream) -> DriverResult<EventId> {
+        self.gpu.record_event(stream)
+    }
+    fn query_event(&self, event: EventId) -> DriverResult<bool> {
+        self.gpu.query_event(event)
+    }
+    fn wait_event(&self, event: EventId) -> DriverResult<()> {
+        self.gpu.wait_event(event)
+    }
+    fn destroy_event(&self, event: EventId) -> DriverResult<()> {
+        self.gpu.destroy_event(event)
+    }
+    fn write(&self, addr: DevAddr, data: &[u8]) -> DriverResult<()> {
+        self.gpu.write_on(self.copy.stream(), addr, data)
+    }
+    fn read(&self, addr: DevAddr, buf: &mut [u8]) -> DriverResult<()> {
+        self.gpu.read_on(self.copy.stream(), addr, buf)
+    }
+    fn has_data(&self) -> bool {
+        true
+    }
+}
+
+impl TestDevice for CudaTestDevice {
+    fn test_stream(&self, n: u8) -> Stream {
+        match n % STREAMS {
+            0 => Stream::DEFAULT,
+            k => self.streams[k as usize - 1].stream(),
+        }
+    }
+
+    fn launch(&self, stream: Stream, addr: u64, len: u64) -> WorkId {
+        let scratch = self.scratch[self.index(stream)];
+        fn fail<T>(stream: Stream, e: crate::driver::DriverError) -> T {
+            panic!("launch on stream {:#x} failed: {e}", stream.0)
+        }
+        for i in 0..CUDA_PAD_MEMSETS {
+            self.gpu
+                .memset_d32_async(scratch, 0xA5A5_0000 | i, CUDA_SCRATCH / 4, stream)
+                .unwrap_or_else(|e| fail(stream, e));
+        }
+        let mut off = 0;
+        while off < len {
+            let n = (len - off).min(CUDA_SCRATCH);
+            self.gpu
+                .copy_dtod_async(scratch, addr + off, n, stream)
+                .unwrap_or_else(|e| fail(stream, e));
+            off += n;
+        }
+        let ev = self
+            .gpu
+            .record_event(stream)
+            .unwrap_or_else(|e| fail(stream, e));
+        let id = self
+            .next_work
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.work.lock().insert(id, (stream, Some(ev)));
+        WorkId(id)
+    }
+
+    fn complete(&self, stream: Stream) {
+        self.gpu
+            .stream_synchronize(stream)
+            .unwrap_or_else(|e| panic!("work on stream {:#x} failed: {e}", stream.0));
+        self.retire(Some(stream));
+    }
+
+    fn complete_all(&self) {
+        self.gpu
+            .synchronize()
+            .unwrap_or_else(|e| panic!("device work failed: {e}"));
+        self.retire(None);
+    }
+
+    fn work_done(&self, w: WorkId) -> bool {
+        let mut work = self.work.lock();
+        let Some((_, ev)) = work.get_mut(&w.0) else {
+            return true;
+        };
+        let Some(e) = *ev else { return true };
+        match self.gpu.query_event(e) {
+            Ok(true) => {
+                *ev = None;
+                self.gpu
+                    .destroy_event(e)
+                    .expect("destroying a launch event failed");
+                true
+            }
+            Ok(false) => false,
+            Err(e) => panic!("launched work failed: {e}"),
+        }
+    }
+
+    fn is_accessible(&self, addr: u64, len: u64) -> bool {
+        self.gpu.is_accessible(addr, len)
+    }
+
+    fn leak_report(&self) -> LeakReport {
+        self.gpu.leak_report()
+    }
+}
 
 /// One step of a randomised test.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -238,6 +519,11 @@ pub struct RunCounts {
     pub refused: u64,
     /// Operations that failed because of an injected driver fault.
     pub faulted: u64,
+    /// Frees of memory that launched work was still using (work not yet complete).
+    pub in_flight_frees: u64,
+    /// Successful allocations made while such freed-but-still-used memory existed (each
+    /// checked against the stream rule).
+    pub allocs_under_hazard: u64,
 }
 
 /// Drives an allocator with [`Op`]s and checks every invariant after each one.
@@ -309,8 +595,8 @@ impl<T: TestDevice> Harness<T> {
         self.live.len()
     }
 
-    fn stream(n: u8) -> Stream {
-        Stream((n % STREAMS) as u64)
+    fn stream(&self, n: u8) -> Stream {
+        self.dev.test_stream(n % STREAMS)
     }
 
     fn write_pattern(&self, l: &Live) -> Result<(), String> {
@@ -342,7 +628,10 @@ impl<T: TestDevice> Harness<T> {
     pub fn apply(&mut self, op: Op) -> Result<(), String> {
         self.faults_before = self.dev.injected_faults();
         match op {
-            Op::Alloc { size, stream } => self.do_alloc(size, Self::stream(stream))?,
+            Op::Alloc { size, stream } => {
+                let s = self.stream(stream);
+                self.do_alloc(size, s)?
+            }
             Op::Free { pick } => {
                 if !self.live.is_empty() {
                     let i = pick as usize % self.live.len();
@@ -353,7 +642,8 @@ impl<T: TestDevice> Harness<T> {
             Op::FreeOn { pick, stream } => {
                 if !self.live.is_empty() {
                     let i = pick as usize % self.live.len();
-                    self.do_free(i, Self::stream(stream))?;
+                    let s = self.stream(stream);
+                    self.do_free(i, s)?;
                 }
             }
             Op::Launch { pick } => {
@@ -368,7 +658,7 @@ impl<T: TestDevice> Harness<T> {
             Op::UseOn { pick, stream } => {
                 if !self.live.is_empty() {
                     let i = pick as usize % self.live.len();
-                    let s = Self::stream(stream);
+                    let s = self.stream(stream);
                     let (ptr, size) = (self.live[i].ptr, self.live[i].size);
                     self.alloc
                         .record_stream(DevicePtr(ptr), s)
@@ -377,7 +667,7 @@ impl<T: TestDevice> Harness<T> {
                     self.live[i].work.push((s, w));
                 }
             }
-            Op::Complete { stream } => self.dev.complete(Self::stream(stream)),
+            Op::Complete { stream } => self.dev.complete(self.stream(stream)),
             Op::CompleteAll => self.dev.complete_all(),
             Op::EmptyCache => {
                 if let Err(e) = self.alloc.empty_cache() {
@@ -434,6 +724,9 @@ impl<T: TestDevice> Harness<T> {
                 self.ranges.insert(p, size);
                 self.live.push(l);
                 self.counts.allocs += 1;
+                if !self.hazards.is_empty() {
+                    self.counts.allocs_under_hazard += 1;
+                }
             }
             Err(AllocError::OutOfMemory(_)) | Err(AllocError::Driver { .. }) if self.faulted() => {
                 self.counts.faulted += 1;
@@ -478,6 +771,7 @@ impl<T: TestDevice> Harness<T> {
             return Err(format!("double free of {:#x} was accepted", l.ptr));
         }
         self.ranges.remove(&l.ptr);
+        let before = self.hazards.len();
         for (s, w) in l.work {
             if !self.dev.work_done(w) {
                 self.hazards.push(Hazard {
@@ -487,6 +781,9 @@ impl<T: TestDevice> Harness<T> {
                     work: w,
                 });
             }
+        }
+        if self.hazards.len() > before {
+            self.counts.in_flight_frees += 1;
         }
         self.counts.frees += 1;
         Ok(())

@@ -343,6 +343,115 @@ fn gpu_events_follow_stream_work() {
     }
 }
 
+/// The stream rule on real hardware. Block A is allocated on stream 1 and a long chain of
+/// `cuMemsetD32Async` calls that write it is queued there; A is freed on stream 1 while that
+/// writer is still running, and at once stream 2 asks for a size that only stitching A's
+/// handle (with another free handle) can give, the capacity being full.
+///
+/// The allocator must wait for the writer before it unmaps A's handle: when `alloc` returns,
+/// the writer's event has completed; synchronising reports no error (an early unmap would
+/// make the memsets fault with an illegal address); and the bytes read back through the new
+/// mapping are the writer's last value everywhere. Runs under compute-sanitizer memcheck in
+/// `scripts/gpu-check.sh run`.
+#[test]
+fn gpu_free_then_stitch_on_other_stream_waits_for_the_writer() {
+    let Some(d) = gpu("gpu_free_then_stitch_on_other_stream_waits_for_the_writer") else {
+        return;
+    };
+    const BLOCK: u64 = 256 * MIB;
+    const WRITES: u32 = 128; // about 10 ms of memsets on an H200
+    const LAST: u32 = 0x5EED_F00D;
+    let s1 = d.create_stream(true).unwrap();
+    let s2 = d.create_stream(true).unwrap();
+    let (st1, st2) = (s1.stream(), s2.stream());
+    let a = Allocator::new(
+        d,
+        Config::default()
+            .with_capacity(Capacity::Bytes(4 * BLOCK))
+            .with_paranoid(true),
+    )
+    .unwrap();
+    let gpu = a.driver();
+
+    // x | y1 | A | y2: the capacity is full, and x and A are not neighbours.
+    let x = a.alloc(BLOCK, st1).unwrap();
+    let y1 = a.alloc(BLOCK, st1).unwrap();
+    let blk = a.alloc(BLOCK, st1).unwrap();
+    let y2 = a.alloc(BLOCK, st1).unwrap();
+    assert_eq!(a.stats().reserved.current, 4 * BLOCK, "{:?}", a.stats());
+    gpu.memset_d32_async(x.0, LAST, BLOCK / 4, st1).unwrap();
+    gpu.stream_synchronize(st1).unwrap();
+    a.free(x, st1).unwrap();
+
+    // The long writer of A, on stream 1; its last memset writes LAST.
+    for i in 0..WRITES {
+        let v = if i + 1 == WRITES { LAST } else { i };
+        gpu.memset_d32_async(blk.0, v, BLOCK / 4, st1).unwrap();
+    }
+    let writer = gpu.record_event(st1).unwrap();
+    assert!(
+        !gpu.query_event(writer).unwrap(),
+        "the writer finished before the free: the test would prove nothing (raise WRITES)"
+    );
+
+    let before = a.stats();
+    let t = Instant::now();
+    a.free(blk, st1).unwrap();
+    let big = a.alloc(2 * BLOCK, st2).unwrap();
+    let took = t.elapsed();
+    let writer_done = gpu.query_event(writer).unwrap();
+    let st = a.stats();
+    eprintln!(
+        "free on stream 1 + stitching alloc of {} MiB on stream 2 took {took:?}: {} stitch(es),          {} handle(s) moved, {} event wait(s)",
+        2 * BLOCK / MIB,
+        st.stitches - before.stitches,
+        st.stitched_handles - before.stitched_handles,
+        st.event_waits - before.event_waits
+    );
+    assert!(st.stitches > before.stitches, "no stitch happened: {st:?}");
+    eprintln!(
+        "{}",
+        if big.0 == x.0 {
+            "A's handle was unmapped and mapped after x's (the unmap the fence protects)"
+        } else if big.0 == blk.0 {
+            "x's handle was mapped after A's; A's handle stayed in place"
+        } else {
+            "both handles were mapped at a new address"
+        }
+    );
+    assert!(
+        writer_done,
+        "alloc returned (having remapped A's handle) before the writer on stream 1 finished"
+    );
+    gpu.synchronize()
+        .expect("queued work failed: memory was unmapped under it");
+
+    // Every sample of the stitched span holds LAST: x's bytes and the writer's final bytes.
+    let mut buf = vec![0u8; 4096];
+    let mut spots: Vec<u64> = (0..2 * BLOCK).step_by((8 * MIB) as usize).collect();
+    spots.push(2 * BLOCK - buf.len() as u64);
+    for off in spots {
+        gpu.read(big.0 + off, &mut buf).unwrap();
+        let bad = buf
+            .chunks_exact(4)
+            .position(|w| u32::from_le_bytes(w.try_into().unwrap()) != LAST);
+        assert!(
+            bad.is_none(),
+            "stitched span at offset {off:#x}: word {} is not the writer's last value",
+            bad.unwrap_or(0)
+        );
+    }
+
+    gpu.destroy_event(writer).unwrap();
+    a.free(big, st2).unwrap();
+    a.free(y1, st1).unwrap();
+    a.free(y2, st1).unwrap();
+    a.validate().unwrap();
+    assert_eq!(a.shutdown().leaked_allocations, 0);
+    let leaks = a.driver().leak_report();
+    assert!(leaks.is_clean(), "device still holds {leaks:?}");
+}
+
 // ---------------------------------------------------------------------------------------
 // The same bodies on the host backend (always run).
 
@@ -373,4 +482,51 @@ fn host_oom_then_recover() {
     )
     .unwrap();
     oom_then_recover(&a, 100 * MIB);
+}
+
+/// The layout and checks of `gpu_free_then_stitch_on_other_stream_waits_for_the_writer` on
+/// the host backend, with simulated work in place of the memsets: the stitch must wait for
+/// the work (the host backend refuses to unmap under in-flight work).
+#[test]
+fn host_free_then_stitch_on_other_stream_waits_for_the_work() {
+    const BLOCK: u64 = 256 * MIB;
+    let (st1, st2) = (Stream(1), Stream(2));
+    let a = Allocator::new(
+        HostDriver::with_capacity(4 * BLOCK).unwrap(),
+        Config::default()
+            .with_capacity(Capacity::Bytes(4 * BLOCK))
+            .with_paranoid(true),
+    )
+    .unwrap();
+    let x = a.alloc(BLOCK, st1).unwrap();
+    let y1 = a.alloc(BLOCK, st1).unwrap();
+    let blk = a.alloc(BLOCK, st1).unwrap();
+    let y2 = a.alloc(BLOCK, st1).unwrap();
+    assert_eq!(a.stats().reserved.current, 4 * BLOCK, "{:?}", a.stats());
+    a.driver().write(x.0, b"x-bytes").unwrap();
+    a.free(x, st1).unwrap();
+    a.driver().write(blk.0 + BLOCK - 7, b"a-bytes").unwrap();
+    let w = a.driver().launch(st1, blk.0, BLOCK);
+    let before = a.stats();
+    a.free(blk, st1).unwrap();
+    let big = a.alloc(2 * BLOCK, st2).unwrap();
+    let st = a.stats();
+    assert!(st.stitches > before.stitches, "no stitch happened: {st:?}");
+    assert!(
+        a.driver().work_done(w),
+        "alloc returned before the work finished"
+    );
+    assert_eq!(big.0, x.0, "expected A's handle to be remapped after x's");
+    assert!(st.event_waits > before.event_waits, "{st:?}");
+    // Both handles' bytes are in the new span, in some order.
+    let mut buf = vec![0u8; (2 * BLOCK) as usize];
+    a.driver().read(big.0, &mut buf).unwrap();
+    let has = |pat: &[u8]| buf.windows(pat.len()).any(|w| w == pat);
+    assert!(has(b"x-bytes") && has(b"a-bytes"));
+    a.free(big, st2).unwrap();
+    a.free(y1, st1).unwrap();
+    a.free(y2, st1).unwrap();
+    a.validate().unwrap();
+    assert_eq!(a.shutdown().leaked_allocations, 0);
+    assert!(a.driver().leak_report().is_clean());
 }

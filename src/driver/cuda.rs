@@ -9,8 +9,8 @@
 //! This module holds all of the crate's CUDA `unsafe` code.
 
 use super::{
-    code, DevAddr, Driver, DriverError, DriverOp, DriverResult, EventId, MemInfo, PhysHandle,
-    Stream,
+    code, DevAddr, Driver, DriverError, DriverOp, DriverResult, EventId, LeakReport, MemInfo,
+    PhysHandle, Stream,
 };
 use cudarc::driver::sys;
 use parking_lot::Mutex;
@@ -51,6 +51,22 @@ const SYMBOLS: &[&str] = &[
     "cuEventDestroy_v2",
     "cuMemcpyHtoD_v2",
     "cuMemcpyDtoH_v2",
+    // Tests and benchmarks (streams, async copies, cudaMalloc-style baselines).
+    "cuMemGetAccess",
+    "cuStreamCreate",
+    "cuStreamDestroy_v2",
+    "cuStreamSynchronize",
+    "cuMemcpyHtoDAsync_v2",
+    "cuMemcpyDtoHAsync_v2",
+    "cuMemcpyDtoDAsync_v2",
+    "cuMemsetD32Async",
+    "cuMemAlloc_v2",
+    "cuMemFree_v2",
+    "cuMemAllocAsync",
+    "cuMemFreeAsync",
+    "cuDeviceGetDefaultMemPool",
+    "cuMemPoolSetAttribute",
+    "cuMemPoolTrimTo",
 ];
 
 /// `CUDA_ERROR_NO_DEVICE`: used when libcuda cannot be loaded at all.
@@ -230,8 +246,22 @@ pub struct CudaDriver {
     access: Vec<sys::CUmemAccessDesc>,
     /// Destroyed events kept for reuse (raw `CUevent` values).
     event_pool: Mutex<Vec<u64>>,
+    /// What callers hold through this driver (for [`CudaDriver::leak_report`]).
+    held: Mutex<Held>,
     driver_version: i32,
     device_name: String,
+}
+
+/// Resources handed out through the [`Driver`] calls and not yet given back. CUDA cannot
+/// enumerate them, so the driver counts them itself.
+#[derive(Debug, Default)]
+struct Held {
+    /// Live handles and their sizes.
+    handles: rustc_hash::FxHashMap<u64, u64>,
+    mappings: usize,
+    reservations: usize,
+    /// Events returned by `record_event` and not yet passed to `destroy_event`.
+    events: usize,
 }
 
 impl std::fmt::Debug for CudaDriver {
@@ -407,6 +437,7 @@ impl CudaDriver {
             granularity: 0,
             access,
             event_pool: Mutex::new(Vec::new()),
+            held: Mutex::new(Held::default()),
             driver_version: info.driver_version,
             device_name,
         };
@@ -529,6 +560,343 @@ impl CudaDriver {
     }
 }
 
+/// A CUDA stream owned by the caller, created with [`CudaDriver::create_stream`] and
+/// destroyed when dropped. It keeps the device's primary context retained, so it may outlive
+/// the driver that made it.
+///
+/// ```
+/// use stitch_alloc::driver::CudaDriver;
+/// if let Ok(gpu) = CudaDriver::new(0) {
+///     let s = gpu.create_stream(true).unwrap();
+///     gpu.stream_synchronize(s.stream()).unwrap();
+/// }
+/// ```
+pub struct CudaStream {
+    raw: u64,
+    device: sys::CUdevice,
+    ctx: usize,
+}
+
+impl std::fmt::Debug for CudaStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CudaStream({:#x})", self.raw)
+    }
+}
+
+impl CudaStream {
+    /// The stream's raw handle, for [`Driver::record_event`], the allocator and the
+    /// `*_async` helpers of [`CudaDriver`].
+    pub fn stream(&self) -> Stream {
+        Stream(self.raw)
+    }
+}
+
+impl Drop for CudaStream {
+    fn drop(&mut self) {
+        // SAFETY: `ctx` is the primary context this stream retained in `create_stream` and
+        // still holds; `raw` is a stream of that context, destroyed exactly once here (work
+        // still queued on it completes first: the driver defers the release). The release
+        // balances the retain in `create_stream`.
+        unsafe {
+            if sys::cuCtxSetCurrent(self.ctx as sys::CUcontext) == sys::CUresult::CUDA_SUCCESS {
+                let r = sys::cuStreamDestroy_v2(self.raw as sys::CUstream);
+                if let Err(e) = check(DriverOp::MemInfo, "cuStreamDestroy", r) {
+                    tracing::warn!(%e, "destroying a stream failed");
+                }
+            }
+            let _ = sys::cuDevicePrimaryCtxRelease_v2(self.device);
+        }
+    }
+}
+
+/// Test and benchmark helpers: streams, stream-ordered copies and memsets, and the
+/// `cudaMalloc`/`cudaMallocAsync` baselines.
+///
+/// Calls that take a [`Stream`] have the same duty as [`Driver::record_event`]: the stream
+/// must be 0 (the legacy default stream) or a live stream of this device's primary context,
+/// such as one from [`CudaDriver::create_stream`]. Device addresses are checked by the driver;
+/// a bad one gives an error (or, for queued work, a sticky `CUDA_ERROR_ILLEGAL_ADDRESS` that
+/// the next synchronisation reports), never a host memory error.
+impl CudaDriver {
+    /// What is still held through the [`Driver`] calls of this driver: handles created and
+    /// not released, mappings not unmapped, reservations not freed, events recorded and not
+    /// destroyed. CUDA cannot enumerate these, so the driver counts them.
+    ///
+    /// ```
+    /// use stitch_alloc::driver::{CudaDriver, Driver};
+    /// if let Ok(gpu) = CudaDriver::new(0) {
+    ///     let h = gpu.create(gpu.granularity()).unwrap();
+    ///     assert_eq!(gpu.leak_report().handles, 1);
+    ///     gpu.release(h).unwrap();
+    ///     assert!(gpu.leak_report().is_clean());
+    /// }
+    /// ```
+    pub fn leak_report(&self) -> LeakReport {
+        let held = self.held.lock();
+        LeakReport {
+            handles: held.handles.len(),
+            handle_bytes: held.handles.values().sum(),
+            mappings: held.mappings,
+            reservations: held.reservations,
+            events: held.events,
+        }
+    }
+
+    /// Create a stream on this device's primary context (`cuStreamCreate`);
+    /// `non_blocking` = `CU_STREAM_NON_BLOCKING` (no implicit synchronisation with the legacy
+    /// default stream).
+    pub fn create_stream(&self, non_blocking: bool) -> DriverResult<CudaStream> {
+        let op = DriverOp::MemInfo;
+        self.bind(op)?;
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: valid out-pointer and device handle; the retain is balanced by the release
+        // in `CudaStream::drop`, or below on failure.
+        check(op, "cuDevicePrimaryCtxRetain", unsafe {
+            sys::cuDevicePrimaryCtxRetain(&mut ctx, self.device)
+        })?;
+        let flags = if non_blocking {
+            sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32
+        } else {
+            sys::CUstream_flags::CU_STREAM_DEFAULT as u32
+        };
+        let mut s: sys::CUstream = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; the primary context is current.
+        let r = unsafe { sys::cuStreamCreate(&mut s, flags) };
+        if let Err(e) = check(op, "cuStreamCreate", r) {
+            // SAFETY: balances the retain above.
+            unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.device) };
+            return Err(e);
+        }
+        Ok(CudaStream {
+            raw: s as u64,
+            device: self.device,
+            ctx: ctx as usize,
+        })
+    }
+
+    /// Block until all work queued on `stream` has completed (`cuStreamSynchronize`).
+    /// Errors of that work (an illegal address, say) are returned here.
+    pub fn stream_synchronize(&self, stream: Stream) -> DriverResult<()> {
+        let op = DriverOp::WaitEvent;
+        self.bind(op)?;
+        // SAFETY: `stream` is 0 or a live stream of this context (the caller's duty, see the
+        // impl's documentation).
+        check(op, "cuStreamSynchronize", unsafe {
+            sys::cuStreamSynchronize(stream.0 as sys::CUstream)
+        })
+    }
+
+    /// Block until all work on the device has completed (`cuCtxSynchronize`); returns any
+    /// error that queued work raised.
+    pub fn synchronize(&self) -> DriverResult<()> {
+        let op = DriverOp::WaitEvent;
+        self.bind(op)?;
+        // SAFETY: no arguments; the context is current.
+        check(op, "cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
+    }
+
+    /// Fill `count` 32-bit words at `addr` with `value`, queued on `stream`
+    /// (`cuMemsetD32Async`). `addr` must be 4-byte aligned.
+    pub fn memset_d32_async(
+        &self,
+        addr: DevAddr,
+        value: u32,
+        count: u64,
+        stream: Stream,
+    ) -> DriverResult<()> {
+        let op = DriverOp::Copy;
+        self.bind(op)?;
+        // SAFETY: only device memory is written; the driver validates the range (an invalid
+        // one fails or faults on the device, never on the host). Stream: caller's duty.
+        check(op, "cuMemsetD32Async", unsafe {
+            sys::cuMemsetD32Async(addr, value, usize_of(op, count)?, stream.0 as sys::CUstream)
+        })
+    }
+
+    /// Copy `len` bytes from device address `src` to `dst`, queued on `stream`
+    /// (`cuMemcpyDtoDAsync`). The ranges must not overlap.
+    pub fn copy_dtod_async(
+        &self,
+        dst: DevAddr,
+        src: DevAddr,
+        len: u64,
+        stream: Stream,
+    ) -> DriverResult<()> {
+        let op = DriverOp::Copy;
+        self.bind(op)?;
+        // SAFETY: device memory only, validated by the driver; stream: caller's duty.
+        check(op, "cuMemcpyDtoDAsync", unsafe {
+            sys::cuMemcpyDtoDAsync_v2(dst, src, usize_of(op, len)?, stream.0 as sys::CUstream)
+        })
+    }
+
+    /// Copy `data` to device address `addr` on `stream` and wait for that stream, so the
+    /// copy has landed when this returns (other streams are not waited for, unlike
+    /// [`Driver::write`], which synchronises the whole device).
+    pub fn write_on(&self, stream: Stream, addr: DevAddr, data: &[u8]) -> DriverResult<()> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        let op = DriverOp::Copy;
+        self.bind(op)?;
+        // SAFETY: `data` is a live host buffer of `len` bytes and stays borrowed until the
+        // stream synchronisation below, after which the copy no longer reads it.
+        check(op, "cuMemcpyHtoDAsync", unsafe {
+            sys::cuMemcpyHtoDAsync_v2(
+                addr,
+                data.as_ptr() as *const c_void,
+                data.len(),
+                stream.0 as sys::CUstream,
+            )
+        })?;
+        self.stream_synchronize(stream)
+    }
+
+    /// Copy device bytes at `addr` into `buf` on `stream` and wait for that stream.
+    pub fn read_on(&self, stream: Stream, addr: DevAddr, buf: &mut [u8]) -> DriverResult<()> {
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let op = DriverOp::Copy;
+        self.bind(op)?;
+        // SAFETY: `buf` is a live, writable host buffer of `len` bytes, exclusively borrowed
+        // until the stream synchronisation below completes the copy.
+        check(op, "cuMemcpyDtoHAsync", unsafe {
+            sys::cuMemcpyDtoHAsync_v2(
+                buf.as_mut_ptr() as *mut c_void,
+                addr,
+                buf.len(),
+                stream.0 as sys::CUstream,
+            )
+        })?;
+        self.stream_synchronize(stream)
+    }
+
+    /// This device's access flags on the mapping holding `addr` (`cuMemGetAccess`):
+    /// 0 = none, 1 = read, 3 = read-write. An error when `addr` is not mapped.
+    pub fn access_flags(&self, addr: DevAddr) -> DriverResult<u64> {
+        let op = DriverOp::SetAccess;
+        self.bind(op)?;
+        let mut flags: std::ffi::c_ulonglong = 0;
+        let loc = self.access[0].location;
+        // SAFETY: valid out-pointer and location; the driver validates `addr`.
+        check(op, "cuMemGetAccess", unsafe {
+            sys::cuMemGetAccess(&mut flags, &loc, addr)
+        })?;
+        Ok(flags as u64)
+    }
+
+    /// Whether `[addr, addr+len)` is mapped with read-write access for this device, judged
+    /// by [`CudaDriver::access_flags`] at the first and last byte, every granule boundary
+    /// when the range spans at most 64 granules, and 64 evenly spaced points otherwise.
+    pub fn is_accessible(&self, addr: DevAddr, len: u64) -> bool {
+        if len == 0 {
+            return true;
+        }
+        let rw = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE as u64;
+        let ok = |p: DevAddr| self.access_flags(p).is_ok_and(|f| f == rw);
+        let g = self.granularity;
+        let last = addr + len - 1;
+        if !ok(addr) || !ok(last) {
+            return false;
+        }
+        let first_granule = addr / g + 1;
+        let end_granule = last / g; // granules starting inside (addr, last]
+        let n = end_granule.saturating_sub(first_granule) + 1;
+        if end_granule < first_granule {
+            return true;
+        }
+        let step = n.div_ceil(64).max(1);
+        (0..n)
+            .step_by(step as usize)
+            .all(|i| ok((first_granule + i) * g))
+    }
+
+    /// `cuMemAlloc`: `size` bytes of device memory outside the allocator (the `cudaMalloc`
+    /// baseline, and scratch buffers for tests). Free with [`CudaDriver::mem_free`].
+    pub fn mem_alloc(&self, size: u64) -> DriverResult<DevAddr> {
+        let op = DriverOp::Create;
+        self.bind(op)?;
+        let mut p: sys::CUdeviceptr = 0;
+        // SAFETY: valid out-pointer; the context is current.
+        check(op, "cuMemAlloc", unsafe {
+            sys::cuMemAlloc_v2(&mut p, usize_of(op, size)?)
+        })?;
+        Ok(p)
+    }
+
+    /// `cuMemFree` of memory from [`CudaDriver::mem_alloc`] (waits for queued work that
+    /// uses it; the driver rejects any other address).
+    pub fn mem_free(&self, addr: DevAddr) -> DriverResult<()> {
+        let op = DriverOp::Release;
+        self.bind(op)?;
+        // SAFETY: the driver validates the address against its allocations.
+        check(op, "cuMemFree", unsafe { sys::cuMemFree_v2(addr) })
+    }
+
+    /// `cuMemAllocAsync` from the device's default memory pool, ordered on `stream` (the
+    /// `cudaMallocAsync` baseline).
+    pub fn mem_alloc_async(&self, size: u64, stream: Stream) -> DriverResult<DevAddr> {
+        let op = DriverOp::Create;
+        self.bind(op)?;
+        let mut p: sys::CUdeviceptr = 0;
+        // SAFETY: valid out-pointer; stream: caller's duty.
+        check(op, "cuMemAllocAsync", unsafe {
+            sys::cuMemAllocAsync(&mut p, usize_of(op, size)?, stream.0 as sys::CUstream)
+        })?;
+        Ok(p)
+    }
+
+    /// `cuMemFreeAsync`: give memory from [`CudaDriver::mem_alloc_async`] back to its pool,
+    /// ordered on `stream`.
+    pub fn mem_free_async(&self, addr: DevAddr, stream: Stream) -> DriverResult<()> {
+        let op = DriverOp::Release;
+        self.bind(op)?;
+        // SAFETY: the driver validates the address; stream: caller's duty.
+        check(op, "cuMemFreeAsync", unsafe {
+            sys::cuMemFreeAsync(addr, stream.0 as sys::CUstream)
+        })
+    }
+
+    fn default_pool(&self, op: DriverOp) -> DriverResult<sys::CUmemoryPool> {
+        self.bind(op)?;
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        // SAFETY: valid out-pointer and device handle.
+        check(op, "cuDeviceGetDefaultMemPool", unsafe {
+            sys::cuDeviceGetDefaultMemPool(&mut pool, self.device)
+        })?;
+        Ok(pool)
+    }
+
+    /// Set the default memory pool's release threshold (`CU_MEMPOOL_ATTR_RELEASE_THRESHOLD`):
+    /// the pool keeps up to this many unused bytes across synchronisations. `u64::MAX` keeps
+    /// everything, as PyTorch's `cudaMallocAsync` backend does (a "warm pool").
+    pub fn set_default_pool_release_threshold(&self, bytes: u64) -> DriverResult<()> {
+        let op = DriverOp::MemInfo;
+        let pool = self.default_pool(op)?;
+        let mut v: u64 = bytes;
+        // SAFETY: the release threshold attribute takes a pointer to a cuuint64_t, which `v`
+        // is, live for the call.
+        check(op, "cuMemPoolSetAttribute", unsafe {
+            sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                &mut v as *mut u64 as *mut c_void,
+            )
+        })
+    }
+
+    /// Release the default pool's unused memory down to `keep` bytes (`cuMemPoolTrimTo`).
+    pub fn trim_default_pool(&self, keep: u64) -> DriverResult<()> {
+        let op = DriverOp::MemInfo;
+        let pool = self.default_pool(op)?;
+        // SAFETY: a pool handle from cuDeviceGetDefaultMemPool.
+        check(op, "cuMemPoolTrimTo", unsafe {
+            sys::cuMemPoolTrimTo(pool, usize_of(op, keep)?)
+        })
+    }
+}
+
 fn get_device(ordinal: i32) -> DriverResult<sys::CUdevice> {
     let mut device: sys::CUdevice = 0;
     // SAFETY: valid out-pointer; `lib()` succeeded, so cuInit ran.
@@ -595,6 +963,7 @@ impl Driver for CudaDriver {
                 0,
             )
         })?;
+        self.held.lock().reservations += 1;
         Ok(ptr)
     }
 
@@ -605,7 +974,10 @@ impl Driver for CudaDriver {
         // earlier reservation.
         check(op, "cuMemAddressFree", unsafe {
             sys::cuMemAddressFree(base, usize_of(op, size)?)
-        })
+        })?;
+        let mut held = self.held.lock();
+        held.reservations = held.reservations.saturating_sub(1);
+        Ok(())
     }
 
     fn create(&self, size: u64) -> DriverResult<PhysHandle> {
@@ -617,6 +989,7 @@ impl Driver for CudaDriver {
         check(op, "cuMemCreate", unsafe {
             sys::cuMemCreate(&mut h, usize_of(op, size)?, &prop, 0)
         })?;
+        self.held.lock().handles.insert(h, size);
         Ok(PhysHandle(h))
     }
 
@@ -624,7 +997,9 @@ impl Driver for CudaDriver {
         let op = DriverOp::Release;
         self.bind(op)?;
         // SAFETY: the handle is an opaque integer the driver validates.
-        check(op, "cuMemRelease", unsafe { sys::cuMemRelease(handle.0) })
+        check(op, "cuMemRelease", unsafe { sys::cuMemRelease(handle.0) })?;
+        self.held.lock().handles.remove(&handle.0);
+        Ok(())
     }
 
     fn map(&self, addr: DevAddr, size: u64, handle: PhysHandle) -> DriverResult<()> {
@@ -634,7 +1009,9 @@ impl Driver for CudaDriver {
         // reservation or overlapping a mapping. Offset and flags must be 0.
         check(op, "cuMemMap", unsafe {
             sys::cuMemMap(addr, usize_of(op, size)?, 0, handle.0, 0)
-        })
+        })?;
+        self.held.lock().mappings += 1;
+        Ok(())
     }
 
     fn unmap(&self, addr: DevAddr, size: u64) -> DriverResult<()> {
@@ -644,7 +1021,10 @@ impl Driver for CudaDriver {
         // work with events before it unmaps (no VMM call waits for the GPU).
         check(op, "cuMemUnmap", unsafe {
             sys::cuMemUnmap(addr, usize_of(op, size)?)
-        })
+        })?;
+        let mut held = self.held.lock();
+        held.mappings = held.mappings.saturating_sub(1);
+        Ok(())
     }
 
     fn set_access(&self, addr: DevAddr, size: u64) -> DriverResult<()> {
@@ -669,9 +1049,11 @@ impl Driver for CudaDriver {
         // context given by the caller (0 is the legacy default stream).
         let r = unsafe { sys::cuEventRecord(ev as sys::CUevent, stream.0 as sys::CUstream) };
         if let Err(e) = check(op, "cuEventRecord", r) {
+            self.held.lock().events += 1; // balanced by the destroy below
             let _ = self.destroy_event(EventId(ev));
             return Err(e);
         }
+        self.held.lock().events += 1;
         Ok(EventId(ev))
     }
 
@@ -698,6 +1080,10 @@ impl Driver for CudaDriver {
     }
 
     fn destroy_event(&self, event: EventId) -> DriverResult<()> {
+        {
+            let mut held = self.held.lock();
+            held.events = held.events.saturating_sub(1);
+        }
         {
             let mut pool = self.event_pool.lock();
             if pool.len() < EVENT_POOL_MAX && !pool.contains(&event.0) {

@@ -25,13 +25,15 @@ pub mod cuda;
 pub mod faulty;
 pub mod host;
 pub mod sim;
+pub mod timed;
 
-pub use cuda::CudaDriver;
+pub use cuda::{CudaDriver, CudaStream};
 pub use faulty::FaultyDriver;
 pub use host::HostDriver;
 pub use ledger::LeakReport;
 pub use sim::SimDriver;
 pub use streams::WorkId;
+pub use timed::{OpTiming, Timed, Timings};
 
 use serde::Serialize;
 use std::fmt;
