@@ -1,0 +1,78 @@
+//! Diagnose stranding: replay a trace and, at the moment peak reserved is reached, list the
+//! handles that hold live bytes and free bytes, with the live blocks inside them.
+//! `cargo run --release --example strand -- TRACE [MAX_HANDLE_MIB]`
+use std::collections::HashMap;
+use stitch_alloc::driver::SimDriver;
+use stitch_alloc::trace::{read_path, Event, ReadOptions};
+use stitch_alloc::{Allocator, Config, DevicePtr, Snapshot, Stream};
+
+fn report(snap: &Snapshot) {
+    let mut hs: Vec<(u64, u64)> = snap
+        .handles
+        .iter()
+        .filter_map(|h| h.addr.map(|a| (a, h.size)))
+        .collect();
+    hs.sort();
+    let mut rows = Vec::new();
+    for &(ha, hsz) in &hs {
+        let (mut live, mut free, mut lives) = (0, 0, Vec::new());
+        for b in snap.runs.iter().flatten() {
+            let (s0, e0) = (b.addr.max(ha), (b.addr + b.size).min(ha + hsz));
+            if s0 < e0 {
+                if b.state == "live" {
+                    live += e0 - s0;
+                    lives.push((b.size >> 20, (e0 - s0) >> 20));
+                } else {
+                    free += e0 - s0;
+                }
+            }
+        }
+        if live > 0 && free > 0 {
+            rows.push((free, hsz, lives));
+        }
+    }
+    rows.sort_by_key(|r| std::cmp::Reverse(r.0));
+    let tot: u64 = rows.iter().map(|r| r.0).sum();
+    println!("stranded {} MiB in {} handles; top:", tot >> 20, rows.len());
+    for r in rows.iter().take(20) {
+        println!(
+            "  {:>5} MiB free of a {:>5} MiB handle; live blocks (size MiB, MiB inside): {:?}",
+            r.0 >> 20,
+            r.1 >> 20,
+            r.2
+        );
+    }
+}
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let path = args.next().expect("TRACE");
+    let max: u64 = args.next().map_or(128, |v| v.parse().unwrap());
+    let t = read_path(&path, ReadOptions::default()).expect("trace");
+    let cfg = Config::default().with_handle_sizes(0, max << 20);
+    let a = Allocator::new(SimDriver::new(), cfg).unwrap();
+    let mut ptrs: HashMap<u64, DevicePtr> = HashMap::new();
+    let mut best: Option<(u64, Snapshot)> = None;
+    for e in &t.events {
+        match *e {
+            Event::Alloc { id, bytes, stream } => {
+                ptrs.insert(id, a.alloc(bytes, Stream(stream)).unwrap());
+                let r = a.stats().reserved.current;
+                if best.as_ref().is_none_or(|b| r > b.0) {
+                    best = Some((r, a.snapshot()));
+                }
+            }
+            Event::Free { id, stream } => {
+                let p = ptrs.remove(&id).unwrap();
+                a.free(p, Stream(stream.unwrap_or(0))).unwrap();
+            }
+            Event::ProbeLargest => {}
+        }
+    }
+    let s = a.stats();
+    println!(
+        "ratio {:.4}",
+        s.reserved.peak as f64 / s.requested.peak as f64
+    );
+    report(&best.unwrap().1);
+}
