@@ -115,6 +115,10 @@ pub struct DetailedStats {
     pub small_pages: u64,
     /// Free bytes inside small pages that hold live bytes.
     pub small_stranded_bytes: u64,
+    /// Runs used as medium pages.
+    pub medium_pages: u64,
+    /// Free bytes inside medium pages that hold live bytes.
+    pub medium_stranded_bytes: u64,
     /// Handles owned but not mapped.
     pub unmapped_handles: u64,
     /// Virtual address space reserved.

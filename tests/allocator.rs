@@ -305,7 +305,10 @@ fn stitching_off_is_a_plain_caching_allocator() {
 #[test]
 fn handle_size_knobs_bound_handle_sizes() {
     let d = Arc::new(SimDriver::with_capacity(4 * GIB));
-    let cfg = Config::default().with_handle_sizes(8 * MIB, 64 * MIB);
+    // Medium pool off, so the 3 MiB request takes the large pool's path.
+    let cfg = Config::default()
+        .with_handle_sizes(8 * MIB, 64 * MIB)
+        .with_medium(0, 0);
     let a = Allocator::new(d.clone(), cfg.with_paranoid(true)).unwrap();
     let p = a.alloc(300 * MIB, S0).unwrap(); // 4 x 64 MiB + 44 MiB
     assert_eq!(a.stats().handles, 5);
@@ -428,4 +431,28 @@ fn threads_share_one_allocator() {
     assert_eq!(a.stats().live_allocations.current, 0);
     assert_eq!(a.stats().allocs, 2000);
     a.validate().unwrap();
+}
+
+#[test]
+fn medium_requests_share_medium_pages_and_never_pin_large_handles() {
+    let cfg = Config::default()
+        .with_medium(16 * MIB, 64 * MIB)
+        .with_paranoid(true);
+    let a = Allocator::new(SimDriver::with_capacity(4 * GIB), cfg).unwrap();
+    let big = a.alloc(1000 * MIB, S0).unwrap();
+    a.free(big, S0).unwrap();
+    // Ten 3 MiB tensors: one 64 MiB medium page, not a piece of the free 1000 MiB span.
+    let ps: Vec<_> = (0..10).map(|_| a.alloc(3 * MIB, S0).unwrap()).collect();
+    let d = a.detailed_stats();
+    assert_eq!(d.medium_pages, 1);
+    assert_eq!(a.stats().reserved.current, 1000 * MIB + 64 * MIB);
+    // The large span stays whole: a 1000 MiB request is served in place, no driver call.
+    let before = a.stats().calls;
+    let again = a.alloc(1000 * MIB, S0).unwrap();
+    assert_eq!(a.stats().calls, before);
+    assert_eq!(again, big);
+    a.free(again, S0).unwrap();
+    for p in ps {
+        a.free(p, S0).unwrap();
+    }
 }

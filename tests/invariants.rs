@@ -46,6 +46,14 @@ proptest! {
         h.run(&ops).map_err(TestCaseError::fail)?;
     }
 
+    /// The medium pool on (requests of 1-8 MiB packed into 32 MiB pages).
+    #[test]
+    fn sim_medium_pool(ops in prop::collection::vec(common::op(256 * MIB, true), 1..200)) {
+        let cfg = Config::default().with_medium(8 * MIB, 32 * MIB).with_reserve_slack(0.0, 0);
+        let h = Harness::new(SimDriver::with_capacity(256 * MIB), cfg).unwrap();
+        h.run(&ops).map_err(TestCaseError::fail)?;
+    }
+
     /// Stitching off: the plain caching baseline must keep every invariant too.
     #[test]
     fn sim_no_stitch(ops in prop::collection::vec(common::op(256 * MIB, true), 1..200)) {

@@ -16,7 +16,8 @@ fuzz_target!(|data: &[u8]| {
             let cfg = Config::default()
                 .with_stitching(b & 1 == 0)
                 .with_reserve_slack(if b & 2 == 0 { 0.0 } else { 0.01 }, 0)
-                .with_handle_sizes(0, [4 * MIB, 16 * MIB, 64 * MIB, 128 * MIB][(b >> 2 & 3) as usize]);
+                .with_handle_sizes(0, [4 * MIB, 16 * MIB, 64 * MIB, 128 * MIB][(b >> 2 & 3) as usize])
+                .with_medium(if b & 16 == 0 { 0 } else { 8 * MIB }, 32 * MIB);
             (cfg, rest)
         }
         None => return,

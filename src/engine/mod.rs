@@ -43,9 +43,15 @@ const OVERFIT: u64 = 4;
 pub enum Pool {
     /// Requests up to the small threshold, packed into small pages.
     Small = 0,
+    /// Requests up to the medium threshold, packed into medium pages, so that they never pin
+    /// a large handle.
+    Medium = 1,
     /// Everything else.
-    Large = 1,
+    Large = 2,
 }
+
+/// Number of pools.
+const POOLS: usize = 3;
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub(crate) enum State {
@@ -171,7 +177,7 @@ pub(crate) struct Engine {
     /// `owners[0]` is the clean pool; others are streams, in order of first free.
     owners: Vec<Owner>,
     /// `bins[owner][pool]` holds exactly the free blocks with that owner and pool.
-    bins: Vec<[Bins; 2]>,
+    bins: Vec<[Bins; POOLS]>,
     pending: Vec<PendingFree>,
     /// Completed events whose destroy failed; retried on later slow paths and at teardown.
     zombies: Vec<EventId>,
@@ -587,6 +593,8 @@ impl Engine {
         let rsize = round_up(size, UNIT);
         let pool = if size <= self.cfg.small_threshold {
             Pool::Small
+        } else if size <= self.cfg.medium_threshold {
+            Pool::Medium
         } else {
             Pool::Large
         };
@@ -799,7 +807,7 @@ impl Engine {
     /// Move owner `k`'s free blocks with `seq <= covered` to the clean pool.
     fn migrate(&mut self, k: usize, covered: u64) {
         let mut list = Vec::new();
-        for p in 0..2 {
+        for p in 0..POOLS {
             self.bins[k][p].collect(&self.blocks, &mut list);
         }
         for i in list {
@@ -825,7 +833,7 @@ impl Engine {
         }
         for k in 1..self.owners.len() {
             loop {
-                let dirty = self.bins[k][0].count + self.bins[k][1].count > 0;
+                let dirty = self.bins[k].iter().any(|b| b.count > 0);
                 if self.owners[k].fence.is_none() {
                     if !dirty {
                         break;
@@ -889,7 +897,7 @@ impl Engine {
     /// Whole handles that hold no live byte and are clean: inside clean free blocks, or unmapped.
     fn free_handles(&self) -> Vec<Cand> {
         let mut list = Vec::new();
-        for p in 0..2 {
+        for p in 0..POOLS {
             self.bins[0][p].collect(&self.blocks, &mut list);
         }
         let mut out = Vec::new();
@@ -921,7 +929,7 @@ impl Engine {
 
     fn grow<D: Driver + ?Sized>(&mut self, d: &D, pool: Pool, rsize: u64) -> Result<Grow> {
         match pool {
-            Pool::Small => self.grow_small(d),
+            Pool::Small | Pool::Medium => self.grow_paged(d, pool, rsize),
             Pool::Large if self.cfg.stitching => self.stitch(d, rsize),
             Pool::Large => self.grow_plain(d, rsize),
         }
@@ -1059,56 +1067,74 @@ impl Engine {
         self.build_span(d, Vec::new(), create, Pool::Large)
     }
 
-    /// A new small page: an unmapped page-sized handle, a new handle, or a free handle
-    /// retagged in place.
-    fn grow_small<D: Driver + ?Sized>(&mut self, d: &D) -> Result<Grow> {
-        let page = self.cfg.small_page;
+    /// A new page for a paged pool (small or medium) that fits `rsize`: a free handle of at
+    /// most a page reused where it sits (no driver call), an unmapped one mapped, a new page
+    /// created; at the capacity, a larger free handle reused in place, else free handles
+    /// stitched into a span of the pool.
+    fn grow_paged<D: Driver + ?Sized>(&mut self, d: &D, pool: Pool, rsize: u64) -> Result<Grow> {
+        let page = match pool {
+            Pool::Small => self.cfg.small_page,
+            _ => self.cfg.medium_page,
+        };
         let g = self.cfg.granularity;
-        if let Some(pos) = self.unmapped.iter().position(|&h| self.hsize(h) == page) {
-            let hid = self.unmapped[pos];
-            let c = Cand {
-                hid,
-                size: page,
-                block: NIL,
-                addr: 0,
-            };
-            return self.build_span(d, vec![c], 0, Pool::Small);
-        }
-        // A free page-sized handle is reused where it sits: no driver call, no new memory.
         let cands = self.free_handles();
-        let smallest = cands
+        let fits = |c: &&Cand| c.size >= rsize;
+        if let Some(c) = cands
             .iter()
-            .filter(|c| c.block != NIL)
+            .filter(fits)
+            .filter(|c| c.block != NIL && c.size <= page)
             .min_by_key(|c| c.size)
-            .copied();
-        if let Some(c) = smallest.filter(|c| c.size <= page) {
-            self.retag_small(c);
+            .copied()
+        {
+            self.retag(c, pool);
             return Ok(Grow::Done);
         }
-        let headroom = self.headroom();
-        if headroom >= g {
-            let r = self.build_span(d, Vec::new(), page.min(headroom / g * g), Pool::Small)?;
+        if let Some(c) = cands
+            .iter()
+            .filter(fits)
+            .filter(|c| c.block == NIL && c.size <= page)
+            .min_by_key(|c| c.size)
+            .copied()
+        {
+            return self.build_span(d, vec![c], 0, pool);
+        }
+        let headroom = self.headroom() / g * g;
+        let want = page.max(round_up(rsize, g));
+        if headroom >= round_up(rsize, g) {
+            let r = self.build_span(d, Vec::new(), want.min(headroom), pool)?;
             if r == Grow::Done {
                 return Ok(r);
             }
         }
-        // At the capacity: a larger free handle becomes a (larger) small page.
-        if let Some(c) = smallest {
-            self.retag_small(c);
+        // At the capacity: a larger free handle becomes a (larger) page where it sits.
+        if let Some(c) = cands
+            .iter()
+            .filter(fits)
+            .filter(|c| c.block != NIL)
+            .min_by_key(|c| c.size)
+            .copied()
+        {
+            self.retag(c, pool);
             return Ok(Grow::Done);
         }
-        if let Some(c) = cands.first().copied() {
-            return self.build_span(d, vec![c], 0, Pool::Small);
+        // Else stitch free handles (unmapped first) into one span for this pool.
+        let need = round_up(rsize, g);
+        let total: u64 = cands.iter().map(|c| c.size).sum();
+        if total + self.headroom() < need {
+            return Ok(Grow::Short);
         }
-        Ok(Grow::Short)
+        let chosen = Self::choose(cands, need);
+        let taken: u64 = chosen.iter().map(|c| c.size).sum();
+        let create = need.saturating_sub(taken);
+        self.build_span(d, chosen, create, pool)
     }
 
-    /// Turn a free mapped handle into a small page where it sits.
-    fn retag_small(&mut self, c: Cand) {
+    /// Turn a free mapped handle into a page of `pool` where it sits.
+    fn retag(&mut self, c: Cand, pool: Pool) {
         let m = self.carve(c.block, c.addr, c.size);
-        self.blocks[m as usize].pool = Pool::Small;
-        self.bins[0][Pool::Small as usize].insert(&mut self.blocks, m);
-        tracing::debug!(size = c.size, "free handle reused as a small page");
+        self.blocks[m as usize].pool = pool;
+        self.bins[0][pool as usize].insert(&mut self.blocks, m);
+        tracing::debug!(size = c.size, ?pool, "free handle reused as a page");
     }
 
     /// Cut the handle at `[haddr, haddr+hsize)` out of clean free block `b`, which contains
@@ -1512,7 +1538,7 @@ impl Engine {
             + vec(self.vacant.capacity(), 4)
             // hashbrown: one control byte plus the entry per bucket, ~1/0.875 buckets per entry
             + vec(self.live.capacity(), 8 + 4 + 1) * 8 / 7
-            + vec(self.bins.capacity(), size_of::<[Bins; 2]>())
+            + vec(self.bins.capacity(), size_of::<[Bins; POOLS]>())
             + vec(self.owners.capacity(), size_of::<Owner>())
             + vec(self.handles.capacity(), size_of::<Option<HandleRec>>())
             + vec(self.free_hids.capacity(), 4)
@@ -1552,12 +1578,12 @@ impl Engine {
             .map(|b| b[Pool::Large as usize].largest(&self.blocks))
             .max()
             .unwrap_or(0);
-        let mut small_pages = 0;
-        let mut small_stranded = 0;
-        // Small pages: runs of the small pool. Count pages and their free bytes if live.
+        let mut pages = [0u64; POOLS];
+        let mut page_stranded = [0u64; POOLS];
+        // Pages: runs of the paged pools. Count them and their free bytes if they hold live ones.
         for b in &self.blocks {
-            if b.pool == Pool::Small && b.prev == NIL && b.state != State::Vacant {
-                small_pages += 1;
+            if b.pool != Pool::Large && b.prev == NIL && b.state != State::Vacant {
+                pages[b.pool as usize] += 1;
                 let mut i = Some(b);
                 let mut free = 0;
                 let mut any_live = false;
@@ -1569,7 +1595,7 @@ impl Engine {
                     i = (x.next != NIL).then(|| &self.blocks[x.next as usize]);
                 }
                 if any_live {
-                    small_stranded += free;
+                    page_stranded[b.pool as usize] += free;
                 }
             }
         }
@@ -1589,8 +1615,10 @@ impl Engine {
             live_handle_bytes,
             stranded_bytes: stranded,
             rounding_waste: s.allocated.current - s.requested.current,
-            small_pages,
-            small_stranded_bytes: small_stranded,
+            small_pages: pages[Pool::Small as usize],
+            small_stranded_bytes: page_stranded[Pool::Small as usize],
+            medium_pages: pages[Pool::Medium as usize],
+            medium_stranded_bytes: page_stranded[Pool::Medium as usize],
             unmapped_handles: (self.unmapped.len() + self.quarantine.len()) as u64,
             va_reserved: self.va.reserved(),
             metadata_bytes: self.metadata_bytes(),
@@ -1760,9 +1788,6 @@ impl Engine {
             let mut end = ha + self.hsize(hid);
             if end <= b.addr {
                 return Err(format!("block {i} at {:#x} is not mapped", b.addr));
-            }
-            if b.pool == Pool::Small && end < b.addr + b.size {
-                return Err(format!("small block {i} crosses a page boundary"));
             }
             while end < b.addr + b.size {
                 match self.mapped.get(&end) {
