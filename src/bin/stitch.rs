@@ -162,9 +162,11 @@ struct DemoArgs {
     /// The seed of the generated workloads.
     #[arg(long, default_value_t = 1)]
     seed: u64,
-    /// The backend (default: the simulated H200; `cuda` runs the workloads on the GPU for
-    /// real, filling about 129 GB of it).
-    #[arg(long, value_enum, default_value = "sim")]
+    /// The backend. `auto` (the default) runs the workloads on the GPU when one is present
+    /// (filling about 129 GB of it), else on the host backend: real host memory remapped with
+    /// mmap and memfd, sized like an H200 (139.8 GiB of address space; pages are never
+    /// touched, so it costs no RAM). `sim` is the accounting-only simulated H200.
+    #[arg(long, value_enum, default_value = "auto")]
     backend: Backend,
 }
 
@@ -603,9 +605,15 @@ struct DemoRow {
 }
 
 fn demo_run(t: &Trace, stitching: bool, backend: Backend) -> Result<ReplayReport, String> {
+    // Without a GPU, `auto` means the host backend at the simulated H200's size.
+    let (backend, capacity) = match backend {
+        Backend::Auto if !CudaDriver::available() => (Backend::Host, Some(H200_CAPACITY)),
+        Backend::Host => (Backend::Host, Some(H200_CAPACITY)),
+        b => (b, None),
+    };
     let b = build(&AllocArgs {
         backend,
-        capacity: None,
+        capacity,
         no_stitch: !stitching,
         min_handle: None,
         max_handle: None,
