@@ -60,12 +60,11 @@ const DEFAULT_DEVICES: u32 = 8;
 /// The most device ordinals `devices` may ask for.
 const MAX_DEVICES: u32 = 1024;
 
-const VERSION: &CStr = match CStr::from_bytes_with_nul(
-    concat!(env!("CARGO_PKG_VERSION"), "\0").as_bytes(),
-) {
-    Ok(v) => v,
-    Err(_) => panic!("the version has no interior NUL"),
-};
+const VERSION: &CStr =
+    match CStr::from_bytes_with_nul(concat!(env!("CARGO_PKG_VERSION"), "\0").as_bytes()) {
+        Ok(v) => v,
+        Err(_) => panic!("the version has no interior NUL"),
+    };
 
 // ---------------------------------------------------------------------------------------
 // Configuration.
@@ -146,11 +145,9 @@ fn parse_size(v: &str) -> Result<u64, String> {
         "m" | "mib" => 1 << 20,
         "g" | "gib" => 1 << 30,
         "t" | "tib" => 1 << 40,
-        "kb" | "mb" | "gb" | "tb" => {
-            return Err(format!(
-                "a binary unit: {unit:?} is ambiguous, write KiB/MiB/GiB/TiB (powers of 1024) or bytes"
-            ))
-        }
+        "kb" | "mb" | "gb" | "tb" => return Err(format!(
+            "a binary unit: {unit:?} is ambiguous, write KiB/MiB/GiB/TiB (powers of 1024) or bytes"
+        )),
         _ => {
             return Err(format!(
                 "a byte count with unit B, KiB, MiB, GiB or TiB, not {unit:?}"
@@ -497,9 +494,11 @@ impl Ready {
             Backend::Cuda => CudaDriver::new(device)
                 .map(AnyDriver::Cuda)
                 .map_err(|e| format!("could not open CUDA device {device}: {e}"))?,
-            Backend::Host => HostDriver::with_capacity(c.capacity_bytes.unwrap_or(HOST_DEFAULT_CAPACITY))
-                .map(AnyDriver::Host)
-                .map_err(|e| format!("could not open the host backend: {e}"))?,
+            Backend::Host => {
+                HostDriver::with_capacity(c.capacity_bytes.unwrap_or(HOST_DEFAULT_CAPACITY))
+                    .map(AnyDriver::Host)
+                    .map_err(|e| format!("could not open the host backend: {e}"))?
+            }
             Backend::Sim => AnyDriver::Sim(SimDriver::with_capacity(
                 c.capacity_bytes.unwrap_or(H200_CAPACITY),
             )),
@@ -568,7 +567,6 @@ fn runtime() -> &'static Runtime {
         if let Err(e) = &rt.state {
             // Said once, on stderr, whatever the log level.
             eprintln!("stitch-alloc: {e}; no allocator is created and every allocation fails");
-            tracing::error!("{e}");
         }
         rt
     })
@@ -601,6 +599,21 @@ thread_local! {
 
 fn to_cstring(s: &str) -> CString {
     CString::new(s.replace('\0', "\\0")).unwrap_or_default()
+}
+
+/// WARN the first time a standing condition (an invalid configuration, a device that could
+/// not be opened, a device out of range) is met, DEBUG after: torch allocates thousands of
+/// times a second, and one line says it all. Every call still sets the last error.
+fn first_time(condition: &str) -> tracing::Level {
+    static SEEN: Mutex<Vec<String>> = Mutex::new(Vec::new());
+    let mut seen = SEEN.lock();
+    if seen.iter().any(|s| s == condition) {
+        return tracing::Level::DEBUG;
+    }
+    if seen.len() < 64 {
+        seen.push(condition.to_string());
+    }
+    tracing::Level::WARN
 }
 
 /// Log `msg` at `level` and keep it as this thread's last error.
@@ -679,17 +692,14 @@ pub extern "C" fn stitch_malloc(size: usize, device: c_int, stream: *mut c_void)
         let rt = runtime();
         let a = match rt.allocator(device) {
             Ok(a) => a,
-            Err(m) => return fail(tracing::Level::WARN, &m),
+            Err(m) => return fail(first_time(&m), &m),
         };
         match a.alloc(size as u64, Stream(ptr_to_u64(stream))) {
             Ok(p) => u64_to_ptr(p.addr()),
             // Torch asks for zero bytes for every empty tensor: not worth a warning.
             Err(AllocError::ZeroSize) => fail(tracing::Level::DEBUG, "zero-size allocation"),
             Err(e) => {
-                let oom = matches!(
-                    e,
-                    AllocError::OutOfMemory(_) | AllocError::TooLarge { .. }
-                );
+                let oom = matches!(e, AllocError::OutOfMemory(_) | AllocError::TooLarge { .. });
                 let abort = oom && rt.ready().is_ok_and(|r| r.conf.on_oom == OnOom::Abort);
                 if abort {
                     eprintln!(
@@ -716,19 +726,20 @@ pub extern "C" fn stitch_malloc(size: usize, device: c_int, stream: *mut c_void)
 pub extern "C" fn stitch_free(ptr: *mut c_void, size: usize, device: c_int, stream: *mut c_void) {
     guard("stitch_free", (), || {
         let addr = ptr_to_u64(ptr);
-        let fail = |m: &str| {
+        let report_at = |level, m: &str| {
             report(
-                tracing::Level::WARN,
+                level,
                 &format!("stitch_free(ptr={addr:#x}, size={size}, device={device}): {m}"),
             )
         };
+        let fail = |m: &str| report_at(tracing::Level::WARN, m);
         if ptr.is_null() {
             return fail("null pointer");
         }
         let rt = runtime();
         let a = match rt.allocator(device) {
             Ok(a) => a,
-            Err(m) => return fail(&m),
+            Err(m) => return report_at(first_time(&m), &m),
         };
         if size != 0 {
             if let Some(usable) = a.usable_size(DevicePtr(addr)) {
@@ -766,7 +777,8 @@ pub extern "C" fn stitch_init(device_count: c_int) {
                 served = r.slots.len(),
                 "stitch_init"
             ),
-            Err(e) => report(tracing::Level::ERROR, &format!("stitch_init: {e}")),
+            // Already printed to stderr when the configuration was read.
+            Err(e) => report(tracing::Level::DEBUG, &format!("stitch_init: {e}")),
         }
     })
 }
@@ -836,15 +848,12 @@ pub extern "C" fn stitch_memory_fraction(fraction: c_double, device: c_int) {
 pub extern "C" fn stitch_record_stream(ptr: *mut c_void, stream: *mut c_void) {
     guard("stitch_record_stream", (), || {
         let addr = ptr_to_u64(ptr);
-        let fail = |m: &str| {
-            report(
-                tracing::Level::WARN,
-                &format!("stitch_record_stream(ptr={addr:#x}): {m}"),
-            )
-        };
+        let report_at =
+            |level, m: &str| report(level, &format!("stitch_record_stream(ptr={addr:#x}): {m}"));
+        let fail = |m: &str| report_at(tracing::Level::WARN, m);
         let rt = runtime();
         if let Err(m) = rt.ready() {
-            return fail(&m);
+            return report_at(first_time(&m), &m);
         }
         let Some(d) = rt.owner_of(addr) else {
             return fail("not a live allocation of this library");
@@ -988,8 +997,8 @@ mod tests {
 
     #[test]
     fn config_maps_onto_allocator_config() {
-        let c = CapiConfig::parse("capacity_fraction:0.5,max_handle:64MiB,stitching:false")
-            .unwrap();
+        let c =
+            CapiConfig::parse("capacity_fraction:0.5,max_handle:64MiB,stitching:false").unwrap();
         let cfg = c.allocator_config(1000 * MIB, None);
         assert_eq!(cfg.capacity, Capacity::Bytes(500 * MIB));
         assert_eq!(cfg.max_handle, 64 * MIB);
@@ -1008,7 +1017,9 @@ mod tests {
     }
 
     fn host_rt(extra: &str) -> Runtime {
-        let rt = Runtime::new(&format!("backend:host,capacity_bytes:64MiB,devices:2{extra}"));
+        let rt = Runtime::new(&format!(
+            "backend:host,capacity_bytes:64MiB,devices:2{extra}"
+        ));
         assert!(rt.state.is_ok(), "{:?}", rt.state.as_ref().err());
         rt
     }
