@@ -48,10 +48,13 @@
  * Threads: every function may be called from any thread. One allocator per device, created
  * at the device's first allocation and kept until the process exits.
  *
- * Note for PyTorch users: torch (up to at least 2.11) does not check the pointer its
- * pluggable allocator returns. A NULL (out of memory) becomes a tensor whose data_ptr() is 0
- * instead of a torch.cuda.OutOfMemoryError; use on_oom:abort to stop with a diagnosis
- * instead, or check stitch_last_error().
+ * Note for PyTorch users: torch 2.11's CUDAPluggableAllocator::allocate does not check the
+ * pointer its allocator returns, so running out of memory does not raise
+ * torch.cuda.OutOfMemoryError. torch.empty() succeeds with an unallocated storage and the
+ * tensor's first use raises RuntimeError ("The tensor has a non-zero number of elements,
+ * but its data is not allocated yet"); a raw allocation (caching_allocator_alloc, library
+ * workspaces) just gets NULL. The reason is in the log and in stitch_last_error() of the
+ * allocating thread. on_oom:abort stops the process with the diagnosis instead.
  */
 #ifndef STITCH_ALLOC_H
 #define STITCH_ALLOC_H

@@ -679,6 +679,10 @@ fn u64_to_ptr(a: u64) -> *mut c_void {
 /// Returns NULL on failure (zero size, too large, out of memory, device out of range, invalid
 /// configuration); [`stitch_last_error`] says why. With `on_oom:abort` in the configuration,
 /// running out of memory prints the diagnosis and aborts the process instead.
+///
+/// Torch 2.11 does not check this pointer: after a NULL, `torch.empty` succeeds with an
+/// unallocated storage and the tensor's first use raises `RuntimeError` ("... its data is
+/// not allocated yet"), not `torch.cuda.OutOfMemoryError`.
 #[no_mangle]
 pub extern "C" fn stitch_malloc(size: usize, device: c_int, stream: *mut c_void) -> *mut c_void {
     guard("stitch_malloc", std::ptr::null_mut(), || {
