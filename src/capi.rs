@@ -145,9 +145,11 @@ fn parse_size(v: &str) -> Result<u64, String> {
         "m" | "mib" => 1 << 20,
         "g" | "gib" => 1 << 30,
         "t" | "tib" => 1 << 40,
-        "kb" | "mb" | "gb" | "tb" => return Err(format!(
+        "kb" | "mb" | "gb" | "tb" => {
+            return Err(format!(
             "a binary unit: {unit:?} is ambiguous, write KiB/MiB/GiB/TiB (powers of 1024) or bytes"
-        )),
+        ))
+        }
         _ => {
             return Err(format!(
                 "a byte count with unit B, KiB, MiB, GiB or TiB, not {unit:?}"
