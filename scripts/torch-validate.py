@@ -215,7 +215,7 @@ def build_llama(torch, layers, hidden, dtype):
         num_key_value_heads=heads,
         max_position_embeddings=4096,
         bos_token_id=1,
-        eos_token_id=2,
+        eos_token_id=None,  # random weights: generation never stops early
         pad_token_id=0,
     )
     prev = torch.get_default_dtype()
@@ -231,10 +231,10 @@ def build_llama(torch, layers, hidden, dtype):
 def run_generate(torch, a):
     plan = gen_plan(a)
     model = build_llama(torch, a.gen_layers, a.gen_hidden, torch.bfloat16).eval()
-    gc_ = model.generation_config
-    gc_.eos_token_id = None  # random weights: never stop early, every batch runs its length
-    gc_.pad_token_id = 0
-    gc_.do_sample = False
+    gen_cfg = model.generation_config
+    gen_cfg.eos_token_id = None  # every batch runs its full length
+    gen_cfg.pad_token_id = 0
+    gen_cfg.do_sample = False
     vocab = model.config.vocab_size
     g = torch.Generator(device="cuda").manual_seed(a.seed)
 
@@ -245,7 +245,6 @@ def run_generate(torch, a):
             input_ids=ids,
             attention_mask=mask,
             max_new_tokens=new,
-            min_new_tokens=new,
             do_sample=False,
             use_cache=True,
         )
@@ -519,6 +518,9 @@ def table(results):
                          f"{'':>16} {'':>8} {'':>8} {'':>7}  FAILED ({r.get('error')})")
             continue
         m, pr = r["memory"], r.get("probe", {})
+        note = ""
+        if r["workload"] == "generate" and r.get("tokens") != r.get("tokens_expected"):
+            note = f" (generated {r.get('tokens')} of {r.get('tokens_expected')} tokens)"
         if r["workload"] == "generate":
             tp, unit = r["tokens_per_s"], "tok/s"
         else:
@@ -530,7 +532,7 @@ def table(results):
             f"{r['workload']:<9} {r['label']:<20} {gib(m['reserved_bytes.all.peak']):>9} "
             f"{gib(m['allocated_bytes.all.peak']):>10} {ratio(m['reserved_over_allocated']):>9} "
             f"{ratio(m['reserved_over_requested']):>8} {tp:>10.2f} {unit:<5} {vs:>8} "
-            f"{gib(pr.get('largest_bytes')):>8} {ratio(pr.get('largest_over_available')):>7}  ok"
+            f"{gib(pr.get('largest_bytes')):>8} {ratio(pr.get('largest_over_available')):>7}  ok{note}"
         )
     lines.append("")
     lines.append("peak res / peak alloc: GiB over the whole process (weights included); res/req: "

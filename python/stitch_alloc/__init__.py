@@ -250,18 +250,39 @@ def enable(path=None, conf=None):
         return alloc
 
 
-def stats(device=0):
+def _device_index(device):
+    """An int from an int, a ``torch.device``, ``"cuda:N"`` or None (torch's current device
+    when stitch-alloc is torch's allocator, else 0)."""
+    if device is None:
+        if _torch_allocator is not None:
+            import torch  # noqa: PLC0415
+
+            return torch.cuda.current_device()
+        return 0
+    if isinstance(device, int):
+        return device
+    if isinstance(device, str):
+        return int(device.rsplit(":", 1)[1]) if ":" in device else _device_index(None)
+    if getattr(device, "type", None) is not None:  # torch.device
+        index = getattr(device, "index", None)
+        return _device_index(None) if index is None else int(index)
+    return int(device)
+
+
+def stats(device=None):
     """The library's whole statistics document of ``device`` (``stitch_stats_json``) as a
     dict: ``torch`` (PyTorch's names), ``stats`` (the allocator's counters),
-    ``fragmentation``, ``capacity``, ``backend``, ``initialized``, ..."""
+    ``fragmentation``, ``capacity``, ``backend``, ``initialized``, ...
+
+    ``device``: an int, a ``torch.device``, ``"cuda:N"``, or None for the current device."""
     lib = load_library()
-    s = lib.stitch_stats_json(int(device))
+    s = lib.stitch_stats_json(_device_index(device))
     if s is None:
         raise RuntimeError(f"stitch_alloc: {_err(lib)}")
     return json.loads(s)
 
 
-def memory_stats(device=0):
+def memory_stats(device=None):
     """Statistics of ``device`` under PyTorch's ``torch.cuda.memory_stats()`` key names
     (``allocated_bytes.all.current``, ``allocated_bytes.all.peak``,
     ``reserved_bytes.all.current``, ``reserved_bytes.all.peak``,
@@ -312,7 +333,7 @@ def _fmt(n):
     return f"{n:.2f} TiB"  # not reached
 
 
-def memory_summary(device=0):
+def memory_summary(device=None):
     """A readable multi-line report of ``device``'s memory, in the spirit of
     ``torch.cuda.memory_summary()``."""
     doc = stats(device)
@@ -380,5 +401,5 @@ def empty_cache(device=None):
     if device is None:
         lib.stitch_reset()
         return
-    if lib.stitch_empty_cache(int(device)) != 0:
+    if lib.stitch_empty_cache(_device_index(device)) != 0:
         raise RuntimeError(f"stitch_alloc: {_err(lib)}")

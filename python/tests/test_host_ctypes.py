@@ -88,6 +88,17 @@ def test_empty_cache_releases(lib):
     assert stitch_alloc.memory_stats(0)["reserved_bytes.all.current"] == 0
 
 
+def test_device_arguments(lib):
+    assert stitch_alloc.stats()["device"] == 0  # torch not enabled: device 0
+    assert stitch_alloc.stats("cuda:1")["device"] == 1
+    assert stitch_alloc.stats(1)["device"] == 1
+
+    class FakeDevice:  # the shape of torch.device
+        type, index = "cuda", 1
+
+    assert stitch_alloc.stats(FakeDevice())["device"] == 1
+
+
 def test_memory_summary(lib):
     p = lib.stitch_malloc(5 * MIB, 0, None)
     text = stitch_alloc.memory_summary(0)
