@@ -118,7 +118,8 @@ int stitch_empty_cache(int device);
  * call on the same thread: copy it if you keep it; never free it.
  *
  * Fields: "version", "device", "backend", "initialized" (false until the device's first
- * allocation; the counters are then 0), "conf" (STITCH_ALLOC_CONF as read), "capacity",
+ * allocation; the counters are then 0), "init_device_count" (the count stitch_init was
+ * given, -1 before), "conf" (STITCH_ALLOC_CONF as read), "capacity",
  * "granularity", "driver_calls", "vmm_calls",
  * "torch": PyTorch memory_stats() names: "allocated_bytes.all.current"/".peak",
  *   "requested_bytes.all.*", "reserved_bytes.all.*", "active_bytes.all.current",

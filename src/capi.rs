@@ -436,6 +436,7 @@ impl Runtime {
             "device": device,
             "backend": r.backend.name(),
             "initialized": a.is_some(),
+            "init_device_count": self.init_count.load(Ordering::Relaxed),
             "conf": self.raw_conf,
             "capacity": capacity,
             "granularity": granularity,
