@@ -34,6 +34,7 @@
 
 mod allocator;
 mod backend;
+pub mod capi;
 mod config;
 pub mod driver;
 mod engine;

@@ -1,0 +1,153 @@
+/*
+ * stitch_alloc.h: the C ABI of libstitch_alloc.so (C99).
+ *
+ * stitch-alloc is a GPU memory allocator on CUDA virtual memory management: free physical
+ * handles are remapped ("stitched") into contiguous spans, so an allocation succeeds
+ * whenever enough free memory exists anywhere on the device.
+ *
+ * Build:  cargo build --release      ->  target/release/libstitch_alloc.so
+ * Link:   cc -I include app.c -L target/release -lstitch_alloc -Wl,-rpath,target/release
+ *
+ * PyTorch (torch 2.11) loads stitch_malloc / stitch_free through
+ * torch.cuda.memory.CUDAPluggableAllocator and the optional hooks through the setters of
+ * allocator.allocator(): set_init_fn(stitch_init), set_reset_fn(stitch_reset),
+ * set_memory_fraction_fn(stitch_memory_fraction), set_record_stream_fn(stitch_record_stream).
+ * The Python package in python/ (stitch_alloc.enable()) does all of that.
+ *
+ * Configuration: the environment variable STITCH_ALLOC_CONF, read once at the first call
+ * of any function below. A comma-separated key:value list, like PYTORCH_CUDA_ALLOC_CONF:
+ *
+ *   backend:auto|cuda|host|sim  auto (default): CUDA when a device is usable, else host
+ *                               memory. host: real, writable process memory (mmap/memfd),
+ *                               for tests and CPU-only use. sim: accounting only; its
+ *                               pointers must never be dereferenced.
+ *   capacity_fraction:F         limit each device to F of its memory, F in (0, 1]
+ *   capacity_bytes:N            limit each device to N bytes (host/sim: the device's size;
+ *                               default 16 GiB host, 139.8 GiB sim). Excludes
+ *                               capacity_fraction.
+ *   small_threshold:N           requests up to N bytes share small pages (default 1MiB)
+ *   min_handle:N, max_handle:N  smallest / largest physical handle (default 2MiB / 128MiB)
+ *   stitching:true|false        remap free handles into new spans (default true)
+ *   reserve_slack:F             growth slack before free handles are reused (default 0.01)
+ *   log:off|error|warn|info|debug|trace
+ *                               stderr logging level (default warn)
+ *   devices:N                   host/sim: device ordinals served (default 8); cuda: at most
+ *                               N of the visible devices
+ *   on_oom:null|abort           out of memory: return NULL (default) or print the diagnosis
+ *                               and abort the process
+ *
+ * Sizes take a binary unit: 4096, 512KiB, 128MiB (or 128M), 1GiB, 2TiB. KB/MB/GB are
+ * refused as ambiguous. An unknown key or a bad value is rejected loudly: it is printed to
+ * stderr once, no allocator is created, every stitch_malloc returns NULL and
+ * stitch_last_error() says why.
+ *
+ * Errors: no function here crashes on bad input or lets a Rust panic escape. A failure is
+ * logged (at log:warn and above) and kept as the calling thread's last error
+ * (stitch_last_error). Pointers passed in are never dereferenced, only looked up.
+ *
+ * Threads: every function may be called from any thread. One allocator per device, created
+ * at the device's first allocation and kept until the process exits.
+ *
+ * Note for PyTorch users: torch 2.11's CUDAPluggableAllocator::allocate does not check the
+ * pointer its allocator returns, so running out of memory does not raise
+ * torch.cuda.OutOfMemoryError. torch.empty() succeeds with an unallocated storage and the
+ * tensor's first use raises RuntimeError ("The tensor has a non-zero number of elements,
+ * but its data is not allocated yet"); a raw allocation (caching_allocator_alloc, library
+ * workspaces) just gets NULL. The reason is in the log and in stitch_last_error() of the
+ * allocating thread. on_oom:abort stops the process with the diagnosis instead.
+ */
+#ifndef STITCH_ALLOC_H
+#define STITCH_ALLOC_H
+
+#include <stddef.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/*
+ * Allocate `size` bytes on `device` for use on `stream` (a cudaStream_t; NULL is the
+ * default stream). Memory is aligned to 512 bytes and stays at its address until freed.
+ * Returns NULL on failure: size 0, a request larger than the capacity ("request too
+ * large"), out of memory, a device out of range, an invalid configuration.
+ * Torch's allocation function.
+ */
+void* stitch_malloc(size_t size, int device, void* stream);
+
+/*
+ * Free `ptr` from stitch_malloc on `device`; `stream` is the stream of its last use (the
+ * memory is reusable at once on that stream, on others once the work queued on it so far
+ * has completed). `size` is the size asked for, or 0 if unknown. Torch's free function
+ * (torch 2.11 passes all four arguments).
+ * NULL, an unknown pointer, a pointer inside an allocation, a second free, or a pointer of
+ * another device free nothing and are reported through stitch_last_error.
+ */
+void stitch_free(void* ptr, size_t size, int device, void* stream);
+
+/* Torch's init hook: reads the configuration (reporting an invalid one at once). */
+void stitch_init(int device_count);
+
+/*
+ * Torch's reset hook (torch.cuda.empty_cache()): release the physical memory of every free
+ * handle, on every device, back to the driver.
+ */
+void stitch_reset(void);
+
+/*
+ * Torch's memory-fraction hook (torch.cuda.set_per_process_memory_fraction): limit `device`
+ * to `fraction` (0 < fraction <= 1) of its memory. Takes effect only before the device's
+ * first allocation; a later call changes nothing and is reported as an error.
+ */
+void stitch_memory_fraction(double fraction, int device);
+
+/*
+ * Torch's record-stream hook (Tensor.record_stream): the live allocation at `ptr` is also
+ * used on `stream`; its free then waits for that stream's queued work too.
+ */
+void stitch_record_stream(void* ptr, void* stream);
+
+/*
+ * Release the physical memory of the free handles of one device. Returns 0, or -1 on error
+ * (device out of range, invalid configuration, driver failure; see stitch_last_error).
+ */
+int stitch_empty_cache(int device);
+
+/*
+ * The statistics of `device` as one JSON object (UTF-8, NUL-terminated), or NULL on error.
+ * The string is owned by the library and stays valid until the next stitch_stats_json
+ * call on the same thread: copy it if you keep it; never free it.
+ *
+ * Fields: "version", "device", "backend", "initialized" (false until the device's first
+ * allocation; the counters are then 0), "init_device_count" (the count stitch_init was
+ * given, -1 before), "conf" (STITCH_ALLOC_CONF as read), "capacity",
+ * "granularity", "driver_calls", "vmm_calls",
+ * "torch": PyTorch memory_stats() names: "allocated_bytes.all.current"/".peak",
+ *   "requested_bytes.all.*", "reserved_bytes.all.*", "active_bytes.all.current",
+ *   "allocation.all.{current,peak,allocated,freed}", "segment.all.{current,allocated,freed}",
+ *   "inactive_split_bytes.all.current" (free bytes stranded beside live ones), "num_ooms",
+ *   "num_alloc_retries", "num_device_alloc" (maps), "num_device_free" (unmaps);
+ * "stats": the allocator's counters (requested/allocated/reserved/mapped/live_allocations
+ *   as {current, peak}, allocs, frees, stitches, handles, ooms, calls by kind, ...);
+ * "fragmentation": free_spans, free_bytes, largest_free_span, free_handles,
+ *   stranded_bytes, live_handle_bytes, rounding_waste, va_reserved, ...
+ */
+const char* stitch_stats_json(int device);
+
+/*
+ * The calling thread's last error message, or "" if there was none (since the thread
+ * started or since stitch_clear_error). Never NULL. Owned by the library; valid until the
+ * next stitch_* call on the same thread.
+ */
+const char* stitch_last_error(void);
+
+/* Forget the calling thread's last error. */
+void stitch_clear_error(void);
+
+/* The library's version, e.g. "0.1.0" (a static string). */
+const char* stitch_version(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* STITCH_ALLOC_H */

@@ -1,0 +1,405 @@
+"""stitch-alloc for PyTorch.
+
+stitch-alloc is a GPU memory allocator on CUDA virtual memory management that has no
+external fragmentation: free physical handles are remapped into contiguous spans. This
+package loads its C library (``libstitch_alloc.so``) into PyTorch::
+
+    import stitch_alloc
+    stitch_alloc.enable()            # before the first CUDA allocation
+    ...
+    stitch_alloc.memory_stats(0)     # PyTorch's key names, plus the allocator's own
+    print(stitch_alloc.memory_summary(0))
+
+Under a pluggable allocator ``torch.cuda.memory_stats()`` and friends raise; use this
+package's :func:`memory_stats`, :func:`memory_summary` and :func:`empty_cache` (or
+``torch.cuda.empty_cache()``, which reaches the library through its reset hook).
+
+Configuration: the ``conf`` argument of :func:`enable` or the ``STITCH_ALLOC_CONF``
+environment variable, e.g. ``"backend:cuda,capacity_fraction:0.9,log:warn"`` (see
+``include/stitch_alloc.h`` for every key). It is read once per process, at the library's
+first call.
+
+Caveat (torch 2.11): ``CUDAPluggableAllocator::allocate`` does not check the pointer its
+allocator returns, so running out of memory does not raise ``torch.cuda.OutOfMemoryError``.
+stitch-alloc returns NULL (and logs why); ``torch.empty`` then succeeds with an unallocated
+storage and the tensor's first use (``data_ptr()``, any kernel) raises ``RuntimeError: The
+tensor has a non-zero number of elements, but its data is not allocated yet``. The
+allocator's diagnosis is in the log and in :func:`last_error` (of the allocating thread).
+``on_oom:abort`` stops the process with the diagnosis instead.
+
+The statistics functions need only ctypes, not torch.
+"""
+
+import ctypes
+import json
+import os
+import threading
+import warnings
+
+__all__ = [
+    "CONF_ENV",
+    "LIB_ENV",
+    "LIB_NAME",
+    "enable",
+    "is_enabled",
+    "find_library",
+    "library_candidates",
+    "load_library",
+    "stats",
+    "memory_stats",
+    "memory_summary",
+    "empty_cache",
+    "last_error",
+    "version",
+]
+
+__version__ = "0.1.0"
+
+#: The environment variable the library reads its configuration from.
+CONF_ENV = "STITCH_ALLOC_CONF"
+#: The environment variable naming the library file.
+LIB_ENV = "STITCH_ALLOC_LIB"
+#: The library's file name.
+LIB_NAME = "libstitch_alloc.so"
+
+# (setter on torch's _CUDAPluggableAllocator, exported symbol). The setter names were read
+# in torch's torch/csrc/cuda/Module.cpp (registerCudaPluggableAllocator), which binds
+# CUDAPluggableAllocator::set_init_fn & co. under these names, each taking a function
+# pointer as an integer.
+_HOOKS = (
+    ("set_init_fn", "stitch_init"),
+    ("set_reset_fn", "stitch_reset"),
+    ("set_memory_fraction_fn", "stitch_memory_fraction"),
+    ("set_record_stream_fn", "stitch_record_stream"),
+)
+
+_lock = threading.RLock()
+_lib = None
+_lib_path = None
+_torch_allocator = None
+
+
+def library_candidates(path=None):
+    """The paths :func:`find_library` tries, in order."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    repo = os.path.dirname(os.path.dirname(here))  # python/stitch_alloc -> repository root
+    out = []
+    if path:
+        out.append(os.fspath(path))
+    if os.environ.get(LIB_ENV):
+        out.append(os.environ[LIB_ENV])
+    out.append(os.path.join(here, LIB_NAME))
+    out.append(os.path.join(repo, "target", "release", LIB_NAME))
+    if os.environ.get("CARGO_TARGET_DIR"):
+        out.append(os.path.join(os.environ["CARGO_TARGET_DIR"], "release", LIB_NAME))
+    out.append(os.path.join(os.getcwd(), "target", "release", LIB_NAME))
+    return out
+
+
+def find_library(path=None):
+    """The path of ``libstitch_alloc.so``.
+
+    Tries ``path``, then ``$STITCH_ALLOC_LIB``, the package's folder, ``target/release`` of
+    the repository holding this package, ``$CARGO_TARGET_DIR/release`` and
+    ``./target/release``. An explicit ``path`` or ``$STITCH_ALLOC_LIB`` that does not exist
+    is an error (no silent fall-back to another build).
+    """
+    explicit = path or os.environ.get(LIB_ENV)
+    if explicit:
+        explicit = os.path.abspath(os.fspath(explicit))
+        if not os.path.isfile(explicit):
+            src = "path" if path else "$" + LIB_ENV
+            raise FileNotFoundError(f"stitch_alloc: {src} names {explicit}, which does not exist")
+        return explicit
+    tried = library_candidates()
+    for p in tried:
+        if os.path.isfile(p):
+            return os.path.abspath(p)
+    raise FileNotFoundError(
+        "stitch_alloc: libstitch_alloc.so not found; build it with `cargo build --release` "
+        f"or set {LIB_ENV}. Tried: " + ", ".join(tried)
+    )
+
+
+def _declare(lib):
+    c = ctypes
+    sigs = {
+        "stitch_malloc": (c.c_void_p, [c.c_size_t, c.c_int, c.c_void_p]),
+        "stitch_free": (None, [c.c_void_p, c.c_size_t, c.c_int, c.c_void_p]),
+        "stitch_init": (None, [c.c_int]),
+        "stitch_reset": (None, []),
+        "stitch_memory_fraction": (None, [c.c_double, c.c_int]),
+        "stitch_record_stream": (None, [c.c_void_p, c.c_void_p]),
+        "stitch_empty_cache": (c.c_int, [c.c_int]),
+        "stitch_stats_json": (c.c_char_p, [c.c_int]),
+        "stitch_last_error": (c.c_char_p, []),
+        "stitch_clear_error": (None, []),
+        "stitch_version": (c.c_char_p, []),
+    }
+    for name, (res, args) in sigs.items():
+        f = getattr(lib, name)
+        f.restype = res
+        f.argtypes = args
+
+
+def load_library(path=None):
+    """Load the library with ctypes (once per process) and return the ``ctypes.CDLL``.
+
+    Every function of ``include/stitch_alloc.h`` is declared on it. Loading the same file
+    as torch does gives the same allocator state (the dynamic loader opens a file once).
+    """
+    global _lib, _lib_path
+    with _lock:
+        p = find_library(path) if (path or _lib is None) else _lib_path
+        if _lib is not None:
+            if os.path.realpath(p) != os.path.realpath(_lib_path):
+                warnings.warn(
+                    f"stitch_alloc: already loaded from {_lib_path}; ignoring {p}", stacklevel=2
+                )
+            return _lib
+        lib = ctypes.CDLL(p)
+        _declare(lib)
+        _lib, _lib_path = lib, p
+        return lib
+
+
+def _err(lib):
+    e = lib.stitch_last_error()
+    return e.decode("utf-8", "replace") if e else ""
+
+
+def last_error():
+    """The calling thread's last error message from the library ('' if none)."""
+    return _err(load_library())
+
+
+def version():
+    """The library's version string."""
+    return load_library().stitch_version().decode()
+
+
+def is_enabled():
+    """Whether :func:`enable` installed stitch-alloc as torch's CUDA allocator."""
+    return _torch_allocator is not None
+
+
+def enable(path=None, conf=None):
+    """Make stitch-alloc PyTorch's CUDA allocator. Call it before the first CUDA allocation.
+
+    ``path``: the library (default: :func:`find_library`). ``conf``: a configuration string
+    (default: ``$STITCH_ALLOC_CONF``; it is written there, so it must come before the
+    library's first call in this process). Loads the library through
+    ``torch.cuda.memory.CUDAPluggableAllocator(path, "stitch_malloc", "stitch_free")``, sets
+    the init, reset (``torch.cuda.empty_cache()``), memory-fraction and record-stream hooks,
+    and calls ``torch.cuda.memory.change_current_allocator``. An invalid configuration
+    raises ``ValueError`` here rather than failing every allocation later.
+
+    Returns the ``CUDAPluggableAllocator``. Calling it again returns the same one.
+    """
+    global _torch_allocator
+    with _lock:
+        if _torch_allocator is not None:
+            if conf is not None and os.environ.get(CONF_ENV) != conf:
+                warnings.warn(
+                    "stitch_alloc.enable: already enabled with "
+                    f"{CONF_ENV}={os.environ.get(CONF_ENV)!r}; ignoring conf={conf!r}",
+                    stacklevel=2,
+                )
+            return _torch_allocator
+        import torch  # noqa: PLC0415 (only enable() needs torch)
+
+        if conf is not None:
+            os.environ[CONF_ENV] = conf
+        lib_path = find_library(path)
+        lib = load_library(lib_path)
+        # Reads the configuration now: a bad one is an error here, not a NULL per tensor.
+        lib.stitch_clear_error()
+        if lib.stitch_stats_json(0) is None:
+            raise ValueError(f"stitch_alloc.enable: {_err(lib)}")
+        doc = json.loads(lib.stitch_stats_json(0))
+        if conf is not None and doc["conf"] != conf:
+            warnings.warn(
+                f"stitch_alloc.enable: the library was configured earlier in this process "
+                f"with {doc['conf']!r}; conf={conf!r} has no effect",
+                stacklevel=2,
+            )
+
+        alloc = torch.cuda.memory.CUDAPluggableAllocator(lib_path, "stitch_malloc", "stitch_free")
+        native = alloc.allocator()
+        missing = []
+        for setter, symbol in _HOOKS:
+            fn = getattr(native, setter, None)
+            if fn is None:
+                missing.append(setter)
+                continue
+            fn(ctypes.cast(getattr(lib, symbol), ctypes.c_void_p).value)
+        if missing:
+            warnings.warn(
+                "stitch_alloc.enable: this torch has no " + ", ".join(missing)
+                + "; those hooks are not installed",
+                stacklevel=2,
+            )
+        try:
+            torch.cuda.memory.change_current_allocator(alloc)
+        except RuntimeError as e:
+            raise RuntimeError(
+                "stitch_alloc.enable() must run before the first CUDA allocation of the "
+                f"process (torch: {e})"
+            ) from e
+        _torch_allocator = alloc
+        return alloc
+
+
+def _device_index(device):
+    """An int from an int, a ``torch.device``, ``"cuda:N"`` or None (torch's current device
+    when stitch-alloc is torch's allocator, else 0)."""
+    if device is None:
+        if _torch_allocator is not None:
+            import torch  # noqa: PLC0415
+
+            return torch.cuda.current_device()
+        return 0
+    if isinstance(device, int):
+        return device
+    if isinstance(device, str):
+        return int(device.rsplit(":", 1)[1]) if ":" in device else _device_index(None)
+    if getattr(device, "type", None) is not None:  # torch.device
+        index = getattr(device, "index", None)
+        return _device_index(None) if index is None else int(index)
+    return int(device)
+
+
+def stats(device=None):
+    """The library's whole statistics document of ``device`` (``stitch_stats_json``) as a
+    dict: ``torch`` (PyTorch's names), ``stats`` (the allocator's counters),
+    ``fragmentation``, ``capacity``, ``backend``, ``initialized``, ...
+
+    ``device``: an int, a ``torch.device``, ``"cuda:N"``, or None for the current device."""
+    lib = load_library()
+    s = lib.stitch_stats_json(_device_index(device))
+    if s is None:
+        raise RuntimeError(f"stitch_alloc: {_err(lib)}")
+    return json.loads(s)
+
+
+def memory_stats(device=None):
+    """Statistics of ``device`` under PyTorch's ``torch.cuda.memory_stats()`` key names
+    (``allocated_bytes.all.current``, ``allocated_bytes.all.peak``,
+    ``reserved_bytes.all.current``, ``reserved_bytes.all.peak``,
+    ``requested_bytes.all.*``, ``active_bytes.all.current``, ``allocation.all.*``,
+    ``segment.all.*`` (physical handles), ``inactive_split_bytes.all.current``, ``num_ooms``,
+    ``num_alloc_retries``, ``num_device_alloc``, ``num_device_free``), plus the allocator's
+    own: ``stitches``, ``stitched_handles``, ``extensions``, ``stranded_bytes``,
+    ``driver_calls``, ``vmm_calls``, ``capacity``, ``largest_free_span``, ``free_bytes``,
+    ``free_handle_bytes``, ``handles``, ``fast_allocs``, ``slow_allocs``, ``event_waits``,
+    ``pending_free_bytes``, ``mapped_bytes.current`` / ``.peak``.
+
+    Every value is an int; the dict is sorted by key, as torch's is. Counters are 0 until
+    the device's first allocation.
+    """
+    doc = stats(device)
+    s, f = doc["stats"], doc["fragmentation"]
+    out = dict(doc["torch"])
+    out.update(
+        {
+            "stitches": s["stitches"],
+            "stitched_handles": s["stitched_handles"],
+            "extensions": s["extensions"],
+            "stranded_bytes": f["stranded_bytes"],
+            "driver_calls": doc["driver_calls"],
+            "vmm_calls": doc["vmm_calls"],
+            "capacity": doc["capacity"],
+            "largest_free_span": f["largest_free_span"],
+            "free_bytes": f["free_bytes"],
+            "free_handle_bytes": f["free_handle_bytes"],
+            "handles": s["handles"],
+            "fast_allocs": s["fast_allocs"],
+            "slow_allocs": s["slow_allocs"],
+            "event_waits": s["event_waits"],
+            "pending_free_bytes": s["pending_free"],
+            "mapped_bytes.current": s["mapped"]["current"],
+            "mapped_bytes.peak": s["mapped"]["peak"],
+        }
+    )
+    return dict(sorted(out.items()))
+
+
+def _fmt(n):
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"  # not reached
+
+
+def memory_summary(device=None):
+    """A readable multi-line report of ``device``'s memory, in the spirit of
+    ``torch.cuda.memory_summary()``."""
+    doc = stats(device)
+    s, f = doc["stats"], doc["fragmentation"]
+    calls = s["calls"]
+    w = 76
+    lines = [
+        "=" * w,
+        f" stitch-alloc {doc['version']} memory summary, device {doc['device']} "
+        f"({doc['backend']} backend)",
+        f" conf: {doc['conf'] or '(defaults)'}",
+    ]
+    if not doc["initialized"]:
+        lines += [" no allocation on this device yet", "=" * w]
+        return "\n".join(lines)
+    lines += [
+        f" capacity {_fmt(doc['capacity'])}, granularity {_fmt(doc['granularity'])}",
+        "-" * w,
+        f" {'':<24}{'current':>16}{'peak':>16}",
+    ]
+    for label, key in (
+        ("requested bytes", "requested"),
+        ("allocated bytes", "allocated"),
+        ("reserved bytes", "reserved"),
+        ("mapped bytes", "mapped"),
+    ):
+        lines.append(f" {label:<24}{_fmt(s[key]['current']):>16}{_fmt(s[key]['peak']):>16}")
+    la = s["live_allocations"]
+    lines.append(f" {'live allocations':<24}{la['current']:>16}{la['peak']:>16}")
+    peak_res = s["reserved"]["peak"]
+    util = s["allocated"]["peak"] / peak_res if peak_res else 0.0
+    ratio = peak_res / s["requested"]["peak"] if s["requested"]["peak"] else 0.0
+    lines += [
+        "-" * w,
+        f" allocations {s['allocs']}, frees {s['frees']}; fast path {s['fast_allocs']}, "
+        f"slow path {s['slow_allocs']}",
+        f" stitches {s['stitches']} ({s['stitched_handles']} handles moved), "
+        f"extensions {s['extensions']}",
+        f" handles: {s['handles']} now, {s['handles_created']} created, "
+        f"{s['handles_released']} released",
+        f" out of memory {s['ooms']}, event waits {s['event_waits']}, "
+        f"pending frees {_fmt(s['pending_free'])}",
+        f" peak reserved / peak requested {ratio:.3f}; "
+        f"peak allocated / peak reserved {util:.3f}",
+        "-" * w,
+        f" free spans {f['free_spans']} ({_fmt(f['free_bytes'])}), largest "
+        f"{_fmt(f['largest_free_span'])}",
+        f" free handles {f['free_handles']} ({_fmt(f['free_handle_bytes'])}), stranded "
+        f"beside live data {_fmt(f['stranded_bytes'])}",
+        f" rounding waste {_fmt(f['rounding_waste'])}, small pages {f['small_pages']}, "
+        f"virtual address space {_fmt(f['va_reserved'])}",
+        "-" * w,
+        f" driver calls {doc['driver_calls']} (VMM {doc['vmm_calls']}): "
+        + ", ".join(f"{k} {v}" for k, v in calls.items() if v),
+        "=" * w,
+    ]
+    return "\n".join(lines)
+
+
+def empty_cache(device=None):
+    """Release the physical memory of free handles to the driver: on every device
+    (``device=None``, what ``torch.cuda.empty_cache()`` does through the reset hook) or on
+    one."""
+    lib = load_library()
+    if device is None:
+        lib.stitch_reset()
+        return
+    if lib.stitch_empty_cache(_device_index(device)) != 0:
+        raise RuntimeError(f"stitch_alloc: {_err(lib)}")

@@ -1,0 +1,164 @@
+"""The library through ctypes on the host backend: no torch, no GPU."""
+import ctypes
+import subprocess
+import sys
+
+import pytest
+
+import stitch_alloc
+from conftest import HOST_CONF, subprocess_env
+
+MIB = 1 << 20
+
+
+def test_version(lib):
+    v = stitch_alloc.version()
+    assert v and v[0].isdigit()
+    assert v == stitch_alloc.__version__
+
+
+def test_configuration_as_read(lib):
+    doc = stitch_alloc.stats(0)
+    assert doc["conf"] == HOST_CONF
+    assert doc["backend"] == "host"
+
+
+def test_alloc_write_read_free(lib):
+    p = lib.stitch_malloc(3 * MIB, 0, None)
+    assert p, stitch_alloc.last_error()
+    ctypes.memset(p, 0x5A, 3 * MIB)
+    assert ctypes.string_at(p + 3 * MIB - 16, 16) == b"\x5a" * 16
+    m = stitch_alloc.memory_stats(0)
+    assert m["allocated_bytes.all.current"] >= 3 * MIB
+    assert m["requested_bytes.all.current"] >= 3 * MIB
+    assert m["reserved_bytes.all.current"] >= m["allocated_bytes.all.current"]
+    assert m["allocation.all.current"] >= 1
+    lib.stitch_clear_error()
+    lib.stitch_free(p, 3 * MIB, 0, None)
+    assert stitch_alloc.last_error() == ""
+    m = stitch_alloc.memory_stats(0)
+    assert m["allocated_bytes.all.peak"] >= 3 * MIB
+
+
+def test_memory_stats_keys(lib):
+    m = stitch_alloc.memory_stats(0)
+    for k in (
+        "allocated_bytes.all.current",
+        "allocated_bytes.all.peak",
+        "reserved_bytes.all.current",
+        "reserved_bytes.all.peak",
+        "active_bytes.all.current",
+        "num_ooms",
+        "num_alloc_retries",
+        "num_device_alloc",
+        "stitches",
+        "stranded_bytes",
+        "driver_calls",
+    ):
+        assert k in m, k
+        assert isinstance(m[k], int), k
+    assert list(m) == sorted(m)
+    assert m["capacity"] == 256 * MIB
+
+
+def test_stitching_through_the_c_abi(lib):
+    ptrs = [lib.stitch_malloc(16 * MIB, 0, None) for _ in range(12)]
+    assert all(ptrs)
+    for p in ptrs[::2]:
+        lib.stitch_free(p, 16 * MIB, 0, None)
+    before = stitch_alloc.memory_stats(0)
+    big = lib.stitch_malloc(80 * MIB, 0, None)
+    assert big, stitch_alloc.last_error()
+    ctypes.memset(big, 1, 80 * MIB)
+    after = stitch_alloc.memory_stats(0)
+    assert after["stitches"] + after["extensions"] > before["stitches"] + before["extensions"]
+    lib.stitch_free(big, 0, 0, None)
+    for p in ptrs[1::2]:
+        lib.stitch_free(p, 0, 0, None)
+
+
+def test_empty_cache_releases(lib):
+    p = lib.stitch_malloc(20 * MIB, 1, None)
+    assert p
+    lib.stitch_free(p, 20 * MIB, 1, None)
+    assert stitch_alloc.memory_stats(1)["reserved_bytes.all.current"] > 0
+    stitch_alloc.empty_cache(1)
+    assert stitch_alloc.memory_stats(1)["reserved_bytes.all.current"] == 0
+    stitch_alloc.empty_cache()  # every device (torch's reset hook)
+    assert stitch_alloc.memory_stats(0)["reserved_bytes.all.current"] == 0
+
+
+def test_device_arguments(lib):
+    assert stitch_alloc.stats()["device"] == 0  # torch not enabled: device 0
+    assert stitch_alloc.stats("cuda:1")["device"] == 1
+    assert stitch_alloc.stats(1)["device"] == 1
+
+    class FakeDevice:  # the shape of torch.device
+        type, index = "cuda", 1
+
+    assert stitch_alloc.stats(FakeDevice())["device"] == 1
+
+
+def test_memory_summary(lib):
+    p = lib.stitch_malloc(5 * MIB, 0, None)
+    text = stitch_alloc.memory_summary(0)
+    lib.stitch_free(p, 0, 0, None)
+    assert "stitch-alloc" in text and "device 0" in text and "host backend" in text
+    assert "reserved bytes" in text and "stitches" in text
+    assert len(text.splitlines()) > 10
+    print(text)
+
+
+def test_errors_are_reported(lib):
+    lib.stitch_clear_error()
+    assert lib.stitch_malloc(0, 0, None) is None
+    assert "zero-size" in stitch_alloc.last_error()
+    assert lib.stitch_malloc(2**63, 0, None) is None
+    assert "too large" in stitch_alloc.last_error()
+    lib.stitch_free(0x1234, 0, 0, None)
+    assert "invalid pointer" in stitch_alloc.last_error()
+    assert lib.stitch_malloc(1024, 5, None) is None
+    assert "out of range" in stitch_alloc.last_error()
+    with pytest.raises(RuntimeError, match="out of range"):
+        stitch_alloc.memory_stats(9)
+    with pytest.raises(RuntimeError, match="out of range"):
+        stitch_alloc.empty_cache(-1)
+
+
+def test_find_library_honours_the_environment(monkeypatch, libpath):
+    monkeypatch.setenv(stitch_alloc.LIB_ENV, "/nonexistent/libstitch_alloc.so")
+    with pytest.raises(FileNotFoundError, match="nonexistent"):
+        stitch_alloc.find_library()
+    monkeypatch.setenv(stitch_alloc.LIB_ENV, libpath)
+    assert stitch_alloc.find_library() == libpath
+    assert stitch_alloc.library_candidates("/x/y.so")[0] == "/x/y.so"
+
+
+def test_bad_configuration_fails_loudly(libpath):
+    code = "import stitch_alloc; stitch_alloc.memory_stats(0)"
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        env=subprocess_env(libpath, "backend:host,no_such_key:1"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode != 0
+    assert 'unknown key "no_such_key"' in r.stderr
+    assert "STITCH_ALLOC_CONF" in r.stderr
+
+
+def test_enable_without_torch_says_so(libpath):
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import stitch_alloc\n"
+        "try:\n    stitch_alloc.enable()\nexcept ImportError as e:\n    print('IMPORT-ERROR', e)\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        env=subprocess_env(libpath, "backend:host"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "IMPORT-ERROR" in r.stdout, r.stdout + r.stderr

@@ -1,0 +1,229 @@
+"""stitch-alloc as PyTorch's CUDA allocator (needs torch and a CUDA device; skips otherwise).
+
+Each test runs its torch code in a fresh Python process: the allocator must be installed
+before the process's first CUDA allocation, and STITCH_ALLOC_CONF is read once.
+"""
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import subprocess_env
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+MIB = 1 << 20
+
+
+def run_torch(libpath, body, conf="backend:cuda,log:warn", timeout=300):
+    """Run `body` after stitch_alloc.enable() in a child; return the dict it printed as
+    `RESULT {...}`."""
+    code = "import json, torch, stitch_alloc\nstitch_alloc.enable()\n" + textwrap.dedent(body)
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        env=subprocess_env(libpath, conf),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    print(r.stdout)
+    print(r.stderr, file=sys.stderr)
+    assert r.returncode == 0, f"child failed ({r.returncode}):\n{r.stdout}\n{r.stderr}"
+    lines = [l for l in r.stdout.splitlines() if l.startswith("RESULT ")]
+    assert lines, r.stdout
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def test_matmul_and_memory_stats(libpath):
+    res = run_torch(
+        libpath,
+        """
+        torch.manual_seed(0)
+        a = torch.randn(2048, 2048, device="cuda")
+        b = torch.randn(2048, 2048, device="cuda")
+        c = a @ b
+        ref = a.cpu().double() @ b.cpu().double()
+        err = ((c.cpu().double() - ref).abs().max() / ref.abs().max()).item()
+        h = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+        h2 = (h @ h).float().sum().item()
+        m = stitch_alloc.memory_stats(0)
+        print(stitch_alloc.memory_summary(0))
+        print("RESULT", json.dumps({"err": err, "bf16_finite": h2 == h2, "stats": m,
+              "enabled": stitch_alloc.is_enabled(),
+              "backend": torch.cuda.get_allocator_backend()}))
+        """,
+    )
+    assert res["enabled"]
+    assert res["err"] < 1e-2, res["err"]
+    assert res["bf16_finite"]
+    m = res["stats"]
+    assert m["allocated_bytes.all.current"] >= 3 * 2048 * 2048 * 4
+    assert m["reserved_bytes.all.current"] >= m["allocated_bytes.all.current"]
+    assert m["allocated_bytes.all.peak"] >= m["allocated_bytes.all.current"]
+    assert m["num_ooms"] == 0
+    assert m["driver_calls"] > 0
+
+
+def test_many_allocations_free_and_empty_cache(libpath):
+    res = run_torch(
+        libpath,
+        """
+        ts = [torch.empty(int(s), dtype=torch.uint8, device="cuda")
+              for s in [512, 4096, 1 << 20, 3 << 20, 100 << 20, 7, 50 << 20] * 20]
+        for t in ts:
+            t.fill_(1)
+        torch.cuda.synchronize()
+        peak_live = stitch_alloc.memory_stats(0)["allocated_bytes.all.current"]
+        del ts[::2]
+        big = torch.ones(1 << 30, dtype=torch.uint8, device="cuda")
+        ok = big.sum().item() == (1 << 30)
+        del big, ts
+        torch.cuda.synchronize()
+        before = stitch_alloc.memory_stats(0)
+        torch.cuda.empty_cache()            # the reset hook
+        after = stitch_alloc.memory_stats(0)
+        print("RESULT", json.dumps({"ok": ok, "peak_live": peak_live,
+              "before": before, "after": after}))
+        """,
+    )
+    assert res["ok"]
+    # Everything the test made is freed (torch itself may hold a little).
+    assert res["after"]["allocated_bytes.all.current"] < 64 * MIB
+    assert res["after"]["allocated_bytes.all.current"] == res["before"]["allocated_bytes.all.current"]
+    assert res["before"]["reserved_bytes.all.current"] > 0
+    assert res["after"]["reserved_bytes.all.current"] < res["before"]["reserved_bytes.all.current"]
+    assert res["after"]["num_ooms"] == 0
+
+
+def test_streams_and_record_stream(libpath):
+    res = run_torch(
+        libpath,
+        """
+        s = torch.cuda.Stream()
+        x = torch.randn(8 << 20, device="cuda")
+        with torch.cuda.stream(s):
+            y = x * 2
+            z = torch.empty_like(y)
+            z.copy_(y)
+        x.record_stream(s)
+        del x
+        s.synchronize()
+        total = z.sum().item()
+        w = torch.randn(1 << 20, device="cuda")
+        del y, z, w
+        torch.cuda.synchronize()
+        print("RESULT", json.dumps({"finite": total == total,
+              "stats": stitch_alloc.memory_stats(0),
+              "last_error": stitch_alloc.last_error()}))
+        """,
+    )
+    assert res["finite"]
+    assert res["stats"]["allocated_bytes.all.current"] < 64 * MIB
+    assert res["last_error"] == "", res["last_error"]
+
+
+def test_memory_fraction_hook(libpath):
+    res = run_torch(
+        libpath,
+        """
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(0.25, 0)
+        x = torch.ones(1 << 20, device="cuda")
+        print("RESULT", json.dumps({"total": total,
+              "capacity": stitch_alloc.memory_stats(0)["capacity"]}))
+        """,
+    )
+    assert res["capacity"] <= res["total"] * 0.25 + (2 << 20)
+    assert res["capacity"] >= res["total"] * 0.25 - (4 << 20)
+
+
+def test_out_of_memory_behaviour(libpath):
+    """Records what torch does with a NULL from the allocator. 2.11's
+    CUDAPluggableAllocator::allocate does not check it: torch.empty should succeed and the
+    first use (data_ptr()) raise RuntimeError "... data is not allocated yet". An
+    OutOfMemoryError at torch.empty is accepted too (a later torch may check); the outcome
+    is printed for the record."""
+    res = run_torch(
+        libpath,
+        """
+        total = torch.cuda.get_device_properties(0).total_memory
+        outcome = None
+        try:
+            t = torch.empty(2 * total, dtype=torch.uint8, device="cuda")
+            outcome = "empty() succeeded; "
+            try:
+                outcome += "data_ptr() = %d" % t.data_ptr()
+            except Exception as e:  # noqa: BLE001
+                outcome += "data_ptr() raised " + type(e).__name__ + ": " + str(e)[:120]
+            del t
+        except Exception as e:  # noqa: BLE001
+            outcome = "empty() raised " + type(e).__name__ + ": " + str(e)[:200]
+        err = stitch_alloc.last_error()
+        x = torch.ones(1 << 20, device="cuda")   # the allocator still works
+        print("RESULT", json.dumps({"outcome": outcome, "last_error": err,
+              "after": x.sum().item(), "stats": stitch_alloc.memory_stats(0)}))
+        """,
+    )
+    print("torch with a NULL from the allocator:", res["outcome"])
+    assert "raised" in res["outcome"] or res["outcome"].endswith("data_ptr() = 0")
+    assert "too large" in res["last_error"] or "out of memory" in res["last_error"]
+    assert res["after"] == float(1 << 20)
+
+
+def test_bad_configuration_raises_in_enable(libpath):
+    code = (
+        "import stitch_alloc\n"
+        "try:\n    stitch_alloc.enable(conf='backend:cuda,bogus:1')\n"
+        "except ValueError as e:\n    print('VALUE-ERROR', e)\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        env=subprocess_env(libpath, None),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "VALUE-ERROR" in r.stdout and "bogus" in r.stdout, r.stdout + r.stderr
+
+
+def test_tiny_llama_generate_and_train(libpath):
+    """A small Llama from a config (random init): greedy generate with a KV cache, then two
+    AdamW steps under bf16 autocast, with stitch-alloc as torch's allocator."""
+    pytest.importorskip("transformers")
+    res = run_torch(
+        libpath,
+        """
+        from transformers import LlamaConfig, LlamaForCausalLM
+        cfg = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                          max_position_embeddings=512, pad_token_id=0, eos_token_id=None)
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(cfg)
+        model.generation_config.eos_token_id = None
+        model = model.to(torch.bfloat16).eval()
+        ids = torch.randint(3, 1000, (4, 37), device="cuda")
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                 max_new_tokens=20, do_sample=False)
+        model = model.float().train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses = []
+        for seq in (64, 200):
+            x = torch.randint(3, 1000, (3, seq), device="cuda")
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(input_ids=x, labels=x).loss
+            loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        m = stitch_alloc.memory_stats(0)
+        print("RESULT", json.dumps({"shape": list(out.shape), "losses": losses, "stats": m}))
+        """,
+    )
+    assert res["shape"] == [4, 57]
+    assert all(l == l and l > 0 for l in res["losses"]), res["losses"]
+    assert res["stats"]["num_ooms"] == 0
+    assert res["stats"]["allocation.all.allocated"] > 100

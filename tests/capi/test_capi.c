@@ -1,0 +1,350 @@
+/*
+ * A C test of libstitch_alloc.so through include/stitch_alloc.h, run by tests/capi.rs.
+ *
+ *   test_capi main      STITCH_ALLOC_CONF=backend:host,capacity_bytes:256MiB,devices:2,...
+ *       normal use through the returned pointers (host memory is real), then every bad
+ *       input: size 0, size near SIZE_MAX, NULL/unknown/interior/double free, bad device,
+ *       wrong device, late memory fraction, record_stream of an unknown pointer; threads.
+ *       Prints the stats JSON of device 0 on a line "STATS_JSON {...}" for the Rust side
+ *       to parse.
+ *   test_capi sim       with backend:sim: accounting-only allocations of tens of GiB, an
+ *       out-of-memory failure, the stats; with on_oom:abort the process aborts at the
+ *       last allocation.
+ *   test_capi badconf NEEDLE   with an invalid STITCH_ALLOC_CONF: every call fails cleanly
+ *       and the last error contains NEEDLE.
+ *
+ * Prints one line per check and "N passed, N failed"; exits 0 only if none failed.
+ */
+#include "stitch_alloc.h"
+
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int passed = 0;
+static int failed = 0;
+
+#define CHECK(cond, what)                                                                  \
+    do {                                                                                   \
+        if (cond) {                                                                        \
+            passed++;                                                                      \
+            printf("ok   %s\n", what);                                                     \
+        } else {                                                                           \
+            failed++;                                                                      \
+            printf("FAIL %s (line %d; last error: \"%s\")\n", what, __LINE__,              \
+                   stitch_last_error());                                                   \
+        }                                                                                  \
+    } while (0)
+
+#define MIB ((size_t)1 << 20)
+
+/* Whether the last error contains `needle`. */
+static int error_has(const char* needle) {
+    const char* e = stitch_last_error();
+    return e != NULL && strstr(e, needle) != NULL;
+}
+
+static int error_empty(void) {
+    const char* e = stitch_last_error();
+    return e != NULL && e[0] == '\0';
+}
+
+static void fill(unsigned char* p, size_t n, unsigned seed) {
+    for (size_t i = 0; i < n; i++) {
+        p[i] = (unsigned char)((i * 31u + seed) & 0xff);
+    }
+}
+
+static int verify(const unsigned char* p, size_t n, unsigned seed) {
+    for (size_t i = 0; i < n; i++) {
+        if (p[i] != (unsigned char)((i * 31u + seed) & 0xff)) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* --- threads ------------------------------------------------------------------------ */
+
+#define THREADS 4
+#define ROUNDS 500
+
+struct worker {
+    int id;
+    int ok;
+};
+
+static void* work(void* arg) {
+    struct worker* w = (struct worker*)arg;
+    w->ok = 1;
+    void* held[8] = {0};
+    for (int r = 0; r < ROUNDS; r++) {
+        int slot = r % 8;
+        if (held[slot] != NULL) {
+            if (!verify((unsigned char*)held[slot], 64, (unsigned)(w->id * 1000 + slot))) {
+                w->ok = 0;
+            }
+            stitch_free(held[slot], 0, 0, NULL);
+        }
+        size_t size = (size_t)(512 + (r * 7919 + w->id * 104729) % (3 * MIB));
+        held[slot] = stitch_malloc(size, 0, NULL);
+        if (held[slot] == NULL) {
+            w->ok = 0;
+            continue;
+        }
+        fill((unsigned char*)held[slot], 64, (unsigned)(w->id * 1000 + slot));
+    }
+    for (int i = 0; i < 8; i++) {
+        if (held[i] != NULL) {
+            stitch_free(held[i], 0, 0, NULL);
+        }
+    }
+    /* An error on this thread is not visible on others. */
+    if (stitch_malloc(0, 0, NULL) != NULL || !error_has("zero-size")) {
+        w->ok = 0;
+    }
+    return NULL;
+}
+
+/* --- the normal configuration --------------------------------------------------------- */
+
+static int run_main(void) {
+    const char* v = stitch_version();
+    CHECK(v != NULL && v[0] != '\0', "version string is not empty");
+    printf("     version %s\n", v);
+    CHECK(error_empty(), "no error before any failure");
+
+    stitch_init(2);
+    CHECK(error_empty(), "init with a valid configuration sets no error");
+
+    /* Memory fraction before the first allocation of device 1: half of 256 MiB. */
+    stitch_memory_fraction(0.5, 1);
+    CHECK(error_empty(), "memory fraction before first use is accepted");
+
+    /* Normal use: the memory is real and keeps its bytes. */
+    unsigned char* a = (unsigned char*)stitch_malloc(MIB, 0, NULL);
+    CHECK(a != NULL, "malloc 1 MiB");
+    CHECK(((uintptr_t)a % 512) == 0, "pointer is 512-byte aligned");
+    unsigned char* b = (unsigned char*)stitch_malloc(10 * MIB + 3, 0, NULL);
+    CHECK(b != NULL && b != a, "malloc 10 MiB + 3");
+    unsigned char* c = (unsigned char*)stitch_malloc(100, 0, (void*)0x10);
+    CHECK(c != NULL, "malloc 100 bytes on another stream");
+    if (a == NULL || b == NULL || c == NULL) {
+        return 1;
+    }
+    fill(a, MIB, 1);
+    fill(b, 10 * MIB + 3, 2);
+    fill(c, 100, 3);
+    CHECK(verify(a, MIB, 1) && verify(b, 10 * MIB + 3, 2) && verify(c, 100, 3),
+          "bytes written through the pointers read back");
+    stitch_free(b, 10 * MIB + 3, 0, NULL);
+    CHECK(error_empty(), "free with the right size sets no error");
+    stitch_record_stream(a, (void*)0x20);
+    CHECK(error_empty(), "record_stream of a live pointer");
+
+    /* Fragment, then ask for more than any hole: stitching makes it contiguous. */
+    void* frag[12];
+    for (int i = 0; i < 12; i++) {
+        frag[i] = stitch_malloc(16 * MIB, 0, NULL);
+    }
+    for (int i = 0; i < 12; i += 2) {
+        stitch_free(frag[i], 16 * MIB, 0, NULL);
+    }
+    unsigned char* big = (unsigned char*)stitch_malloc(80 * MIB, 0, NULL);
+    CHECK(big != NULL, "an 80 MiB block fits in holes of 16 MiB");
+    if (big != NULL) {
+        fill(big, 80 * MIB, 4);
+        CHECK(verify(big, 80 * MIB, 4), "the stitched block is writable end to end");
+        stitch_free(big, 80 * MIB, 0, NULL);
+    }
+    for (int i = 1; i < 12; i += 2) {
+        stitch_free(frag[i], 16 * MIB, 0, NULL);
+    }
+    CHECK(verify(a, MIB, 1) && verify(c, 100, 3), "older allocations kept their bytes");
+    CHECK(error_empty(), "no error during normal use");
+
+    /* Bad inputs. Each leaves a last error and changes nothing. */
+    stitch_clear_error();
+    CHECK(stitch_malloc(0, 0, NULL) == NULL && error_has("zero-size"),
+          "size 0 gives NULL and an error");
+    stitch_clear_error();
+    CHECK(stitch_malloc(SIZE_MAX, 0, NULL) == NULL && error_has("too large"),
+          "size SIZE_MAX gives NULL and \"too large\"");
+    stitch_clear_error();
+    CHECK(stitch_malloc(SIZE_MAX - 4095, 0, NULL) == NULL && error_has("too large"),
+          "size SIZE_MAX - 4095 gives NULL and \"too large\"");
+    stitch_clear_error();
+    CHECK(stitch_malloc(257 * MIB, 0, NULL) == NULL && error_has("too large"),
+          "size above the capacity gives NULL and \"too large\"");
+    stitch_clear_error();
+    stitch_free(NULL, 0, 0, NULL);
+    CHECK(error_has("null pointer"), "free(NULL) is reported");
+    stitch_clear_error();
+    stitch_free((void*)0x1234, 16, 0, NULL);
+    CHECK(error_has("invalid pointer") && error_has("not inside memory"),
+          "free of an unknown pointer is reported");
+    stitch_clear_error();
+    stitch_free(b, 0, 0, NULL);
+    CHECK(error_has("double free"), "double free is reported");
+    unsigned char* d = (unsigned char*)stitch_malloc(4 * MIB, 0, NULL);
+    CHECK(d != NULL, "malloc 4 MiB");
+    stitch_clear_error();
+    stitch_free(d + 4096, 0, 0, NULL);
+    CHECK(error_has("inside a live allocation"), "free of an interior pointer is reported");
+    fill(d, 4 * MIB, 5);
+    CHECK(verify(d, 4 * MIB, 5), "the allocation survives the bad free");
+    stitch_clear_error();
+    stitch_free(d, 8 * MIB, 0, NULL);
+    CHECK(error_has("exceeds"), "a size larger than the allocation is reported");
+    stitch_clear_error();
+    stitch_free(d, 0, 0, NULL);
+    CHECK(error_has("double free"), "... and the pointer was freed anyway");
+
+    stitch_clear_error();
+    CHECK(stitch_malloc(1024, 2, NULL) == NULL && error_has("out of range"),
+          "device 2 of 2 is out of range");
+    stitch_clear_error();
+    CHECK(stitch_malloc(1024, -1, NULL) == NULL && error_has("out of range"),
+          "device -1 is out of range");
+    stitch_clear_error();
+    stitch_free(a, MIB, 7, NULL);
+    CHECK(error_has("out of range"), "free on a bad device is reported");
+    CHECK(verify(a, MIB, 1), "... and frees nothing");
+    stitch_clear_error();
+    CHECK(stitch_empty_cache(99) == -1 && error_has("out of range"),
+          "empty_cache of a bad device is -1");
+    stitch_clear_error();
+    CHECK(stitch_stats_json(-3) == NULL && error_has("out of range"),
+          "stats of a bad device is NULL");
+
+    /* Device 1 is an independent allocator, limited to half by the memory fraction. */
+    stitch_clear_error();
+    CHECK(stitch_malloc(200 * MIB, 1, NULL) == NULL && error_has("too large"),
+          "device 1 holds at most its memory fraction (128 MiB)");
+    void* e = stitch_malloc(100 * MIB, 1, NULL);
+    CHECK(e != NULL, "device 1 serves 100 MiB");
+    stitch_clear_error();
+    stitch_free(e, 100 * MIB, 0, NULL);
+    CHECK(error_has("belongs to device 1"), "free on the wrong device is reported");
+    stitch_clear_error();
+    stitch_free(e, 100 * MIB, 1, NULL);
+    CHECK(error_empty(), "free on the right device");
+    stitch_memory_fraction(0.25, 1);
+    CHECK(error_has("already has its allocator"), "a late memory fraction is reported");
+    stitch_clear_error();
+    stitch_memory_fraction(1.5, 0);
+    CHECK(error_has("(0, 1]"), "a fraction above 1 is reported");
+
+    stitch_clear_error();
+    stitch_record_stream((void*)0x5000, (void*)0x20);
+    CHECK(error_has("not a live allocation"), "record_stream of an unknown pointer");
+    stitch_clear_error();
+    stitch_record_stream(b, NULL);
+    CHECK(error_has("not a live allocation"), "record_stream of a freed pointer");
+
+    /* Threads. */
+    pthread_t t[THREADS];
+    struct worker w[THREADS];
+    for (int i = 0; i < THREADS; i++) {
+        w[i].id = i;
+        w[i].ok = 0;
+        pthread_create(&t[i], NULL, work, &w[i]);
+    }
+    int all_ok = 1;
+    for (int i = 0; i < THREADS; i++) {
+        pthread_join(t[i], NULL);
+        all_ok = all_ok && w[i].ok;
+    }
+    stitch_clear_error();
+    CHECK(all_ok, "4 threads x 500 malloc/free with data checks");
+    CHECK(error_empty(), "errors stay on their own thread");
+
+    stitch_free(a, MIB, 0, NULL);
+    stitch_free(c, 100, 0, (void*)0x10);
+    CHECK(error_empty(), "last frees");
+
+    /* Release the cache; the statistics show nothing live and nothing held. */
+    CHECK(stitch_empty_cache(0) == 0, "empty_cache(0)");
+    CHECK(stitch_empty_cache(1) == 0, "empty_cache(1)");
+    stitch_reset();
+    CHECK(error_empty(), "reset");
+    const char* js = stitch_stats_json(0);
+    CHECK(js != NULL && js[0] == '{' && js[strlen(js) - 1] == '}', "stats JSON is an object");
+    CHECK(js != NULL && strstr(js, "\"allocated_bytes.all.current\":0") != NULL,
+          "stats JSON: nothing allocated");
+    if (js != NULL) {
+        printf("STATS_JSON %s\n", js);
+    }
+    const char* js1 = stitch_stats_json(1);
+    CHECK(js1 != NULL && strstr(js1, "\"initialized\":true") != NULL, "stats JSON of device 1");
+    return 0;
+}
+
+/* --- the simulator: accounting only, pointers never dereferenced ------------------------ */
+
+#define GIB ((size_t)1 << 30)
+
+static int run_sim(void) {
+    void* p = stitch_malloc(64 * GIB, 0, NULL);
+    void* q = stitch_malloc(64 * GIB, 0, NULL);
+    CHECK(p != NULL && q != NULL && p != q, "two 64 GiB blocks on a simulated H200");
+    stitch_clear_error();
+    /* With on_oom:abort the process ends inside this call. */
+    CHECK(stitch_malloc(64 * GIB, 0, NULL) == NULL && error_has("out of memory"),
+          "a third one is out of memory, with a diagnosis");
+    stitch_free(p, 64 * GIB, 0, NULL);
+    stitch_free(q, 64 * GIB, 0, NULL);
+    void* r = stitch_malloc(120 * GIB, 0, NULL);
+    CHECK(r != NULL, "120 GiB after freeing both");
+    stitch_free(r, 0, 0, NULL);
+    const char* js = stitch_stats_json(0);
+    CHECK(js != NULL && strstr(js, "\"backend\":\"sim\"") != NULL, "stats name the backend");
+    CHECK(js != NULL && strstr(js, "\"num_ooms\":1") != NULL, "stats count the OOM");
+    void* big = stitch_malloc(100 * GIB, 0, NULL);
+    void* more = stitch_malloc(100 * GIB, 0, NULL);
+    CHECK(big != NULL && more == NULL, "100 GiB twice: the second fails");
+    return 0;
+}
+
+/* --- an invalid configuration --------------------------------------------------------- */
+
+static int run_badconf(const char* needle) {
+    CHECK(stitch_version()[0] != '\0', "version works without a configuration");
+    stitch_init(1);
+    CHECK(error_has(needle), "init reports the configuration error");
+    stitch_clear_error();
+    CHECK(stitch_malloc(1024, 0, NULL) == NULL, "malloc returns NULL");
+    CHECK(error_has("STITCH_ALLOC_CONF") && error_has(needle), "the error names the problem");
+    stitch_clear_error();
+    CHECK(stitch_malloc(1024, 0, NULL) == NULL && error_has(needle), "... every time");
+    stitch_clear_error();
+    stitch_free((void*)0x1000, 0, 0, NULL);
+    CHECK(error_has(needle), "free reports it too");
+    stitch_clear_error();
+    CHECK(stitch_stats_json(0) == NULL && error_has(needle), "stats JSON is NULL");
+    CHECK(stitch_empty_cache(0) == -1, "empty_cache is -1");
+    stitch_reset();
+    stitch_memory_fraction(0.5, 0);
+    stitch_record_stream((void*)0x1000, NULL);
+    CHECK(1, "hooks return without crashing");
+    return 0;
+}
+
+int main(int argc, char** argv) {
+    const char* mode = argc > 1 ? argv[1] : "main";
+    int rc;
+    if (strcmp(mode, "main") == 0) {
+        rc = run_main();
+    } else if (strcmp(mode, "sim") == 0) {
+        rc = run_sim();
+    } else if (strcmp(mode, "badconf") == 0 && argc > 2) {
+        rc = run_badconf(argv[2]);
+    } else {
+        fprintf(stderr, "usage: %s main | sim | badconf NEEDLE\n", argv[0]);
+        return 2;
+    }
+    printf("%d passed, %d failed\n", passed, failed);
+    return (rc == 0 && failed == 0) ? 0 : 1;
+}
