@@ -456,3 +456,25 @@ fn medium_requests_share_medium_pages_and_never_pin_large_handles() {
         a.free(p, S0).unwrap();
     }
 }
+
+#[test]
+fn driver_refusal_within_the_growth_budget_falls_back_to_stitching() {
+    // The allocator may use 1 GiB but the device only has 512 MiB (another process holds
+    // the rest). Free handles exist: a refused create must not end in OutOfMemory.
+    let d = Arc::new(SimDriver::with_capacity(512 * MIB));
+    let cfg = Config::default()
+        .with_capacity(Capacity::Bytes(GIB))
+        .with_reserve_slack(1.0, GIB)
+        .with_paranoid(true);
+    let a = Allocator::new(d.clone(), cfg).unwrap();
+    let ps: Vec<_> = (0..4).map(|_| a.alloc(128 * MIB, S0).unwrap()).collect();
+    a.free(ps[0], S0).unwrap();
+    a.free(ps[2], S0).unwrap();
+    // 256 MiB free in two holes, none left on the device: the create is refused, the two
+    // holes are stitched.
+    let big = a.alloc(256 * MIB, S0).unwrap();
+    assert!(a.stats().stitches >= 1);
+    a.free(big, S0).unwrap();
+    a.free(ps[1], S0).unwrap();
+    a.free(ps[3], S0).unwrap();
+}

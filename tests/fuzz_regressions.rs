@@ -21,7 +21,11 @@ fn ops_host_regressions() {
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/fuzz");
     for e in std::fs::read_dir(dir).unwrap() {
         let p = e.unwrap().path();
-        if p.file_name().unwrap().to_string_lossy().starts_with("ops_host") {
+        if p.file_name()
+            .unwrap()
+            .to_string_lossy()
+            .starts_with("ops_host")
+        {
             let data = std::fs::read(&p).unwrap();
             ops_host(&data).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
         }

@@ -971,16 +971,23 @@ impl Engine {
         let headroom = self.headroom();
         if self.may_create(rsize) {
             // Within the growth budget: new memory, one or a few calls, no remapping; grown
-            // in place after a free block that ends its run when possible.
+            // in place after a free block that ends its run when possible. If the driver
+            // refuses (another process holds memory), fall through to reusing free handles.
+            let mut r = None;
             if let Some((b, ext)) = self.extension_target(rsize) {
                 let create = ext.max(self.cfg.min_handle.min(headroom));
                 let x = &self.blocks[b as usize];
                 if create <= headroom && self.va.is_free(x.addr + x.size, create) {
-                    return self.build(d, Vec::new(), create, Pool::Large, Some(b));
+                    r = Some(self.build(d, Vec::new(), create, Pool::Large, Some(b))?);
                 }
             }
-            let create = need.max(self.cfg.min_handle.min(headroom));
-            return self.build(d, Vec::new(), create, Pool::Large, None);
+            if r.is_none() {
+                let create = need.max(self.cfg.min_handle.min(headroom));
+                r = Some(self.build(d, Vec::new(), create, Pool::Large, None)?);
+            }
+            if r != Some(Grow::DriverOom) {
+                return Ok(r.expect("set above"));
+            }
         }
         // Best: grow a free block that ends its run, in place, by the missing part only.
         if let Some((b, ext)) = self.extension_target(rsize) {
