@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# One device-machine session: everything that needs the GPU, in one or two calls.
+#
+# Here (build machine):   scripts/gpu-session.sh build
+#   builds .gpu/ with scripts/gpu-check.sh, adds the C library, the stitch binary and the full
+#   generated traces; the folder travels with the device tool's `carry: [".gpu"]`.
+# There (GPU machine, repo root, no cargo):
+#   bash scripts/gpu-session.sh suite    # tests, memcheck, GPU benches, trace replays, Python tests
+#   bash scripts/gpu-session.sh torch    # scripts/torch-validate.py (PyTorch default vs
+#                                        # expandable segments vs stitch-alloc, fresh processes)
+# Logs and results go to $OUT (or ./gpu-logs), packed into one tarball plus a summary.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+mode=${1:-}
+out=${OUT:-$(pwd)/gpu-logs}
+mkdir -p "$out"
+
+case "$mode" in
+build)
+    set -e
+    bash scripts/gpu-check.sh build
+    cargo build --release --lib --bins
+    cp target/release/libstitch_alloc.so .gpu/
+    strip .gpu/libstitch_alloc.so
+    mkdir -p .gpu/traces
+    ./target/release/stitch gen llm --seed 1 --out .gpu/traces/llm.trace.gz
+    ./target/release/stitch gen checkerboard --seed 1 --out .gpu/traces/checkerboard.trace.gz
+    git rev-parse --short HEAD >.gpu/COMMIT
+    du -sh .gpu
+    ;;
+suite)
+    logs=$(mktemp -d)
+    OUT=$logs bash .gpu/run.sh run 2>&1 | tee "$out/suite-summary.txt" | tail -40
+    stitch=.gpu/bin/stitch
+    [ -x "$stitch" ] || stitch=$(ls .gpu/bin/stitch* 2>/dev/null | head -1)
+    {
+        echo "== stitch info"
+        "$stitch" info --backend cuda
+        for t in .gpu/traces/llm.trace.gz .gpu/traces/checkerboard.trace.gz tests/data/*.trace* tests/data/torch-small.pickle.gz; do
+            for flag in "" --no-stitch; do
+                echo "== replay $t $flag (cuda)"
+                "$stitch" replay "$t" --backend cuda $flag --json
+                echo
+            done
+        done
+        echo "== demo on the GPU"
+        "$stitch" demo --backend cuda
+    } >"$logs/replays.txt" 2>&1
+    tail -c 3000 "$logs/replays.txt"
+    echo "== python tests"
+    STITCH_ALLOC_LIB=$(pwd)/.gpu/libstitch_alloc.so PYTHONUNBUFFERED=1 \
+        timeout 300 python3 -m pytest python/tests -v -s -rs >"$logs/pytest.txt" 2>&1
+    echo "pytest exit $?"
+    tail -25 "$logs/pytest.txt"
+    cp "$logs/replays.txt" "$out/replays.txt"
+    tar czf "$out/suite-logs.tgz" -C "$logs" .
+    ;;
+torch)
+    STITCH_ALLOC_LIB=$(pwd)/.gpu/libstitch_alloc.so PYTHONUNBUFFERED=1 \
+        timeout "${TORCH_TIMEOUT:-540}" python3 scripts/torch-validate.py --out "$out/torch-validate.json" \
+        "${@:2}" 2>&1 | tee "$out/torch-validate.txt" | tail -60
+    ;;
+*)
+    echo "usage: $0 build|suite|torch" >&2
+    exit 2
+    ;;
+esac
