@@ -79,7 +79,7 @@ impl<D: Driver> Allocator<D> {
     /// physical memory until the first allocation.
     pub fn new(driver: D, config: Config) -> Result<Self> {
         let info = driver.mem_info()?;
-        let resolved = config.resolve(driver.granularity(), info.total)?;
+        let resolved = config.resolve(driver.granularity(), info)?;
         let mut engine = Engine::new(&driver, resolved)?;
         engine.stats.calls.add(crate::driver::DriverOp::MemInfo);
         tracing::info!(

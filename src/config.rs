@@ -1,6 +1,7 @@
 //! Allocator configuration.
 #![forbid(unsafe_code)]
 
+use crate::driver::MemInfo;
 use crate::error::{AllocError, Result};
 use serde::Serialize;
 
@@ -26,7 +27,8 @@ pub enum Capacity {
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[non_exhaustive]
 pub struct Config {
-    /// Physical memory limit (default: the whole device).
+    /// Physical memory limit (default: the whole device; a fraction is capped at the memory
+    /// free when the allocator starts).
     pub capacity: Capacity,
     /// Requests up to this many bytes are packed into small pages (default 1 MiB).
     pub small_threshold: u64,
@@ -128,12 +130,16 @@ impl Config {
     }
 
     /// Resolve defaults against a driver's granularity and total memory, and check the values.
-    pub(crate) fn resolve(&self, granularity: u64, device_total: u64) -> Result<Resolved> {
+    pub(crate) fn resolve(&self, granularity: u64, device: MemInfo) -> Result<Resolved> {
         let g = granularity;
         let bad = |m: String| Err(AllocError::Config(m));
         let capacity = match self.capacity {
             Capacity::Bytes(b) => b,
-            Capacity::Fraction(f) if f > 0.0 && f <= 1.0 => (device_total as f64 * f) as u64,
+            // A fraction of the device, but never more than is free when the allocator starts
+            // (the CUDA context and other processes hold some).
+            Capacity::Fraction(f) if f > 0.0 && f <= 1.0 => {
+                ((device.total as f64 * f) as u64).min(device.free)
+            }
             Capacity::Fraction(f) => return bad(format!("capacity fraction {f} is not in (0, 1]")),
         } / g
             * g;

@@ -428,6 +428,9 @@ pub struct ReplayOptions {
     /// new peak of reserved bytes, which costs 30-50% of the replay time on traces that
     /// grow in many steps); the report then gives 0.
     pub skip_stranded: bool,
+    /// Device streams for the trace's stream ids (ids not listed are used as they are, which
+    /// suits the CPU backends; on CUDA every non-zero id must map to a real stream).
+    pub streams: std::collections::HashMap<u64, Stream>,
 }
 
 /// Live and reserved bytes over the event index, with stitches and failures marked.
@@ -671,6 +674,7 @@ pub fn replay<D: Driver>(
     let mut last_stitches = alloc.stats().stitches;
     let mut probe_time = 0.0f64;
     let limit = opts.stop_after.unwrap_or(usize::MAX);
+    let dev_stream = |s: u64| opts.streams.get(&s).copied().unwrap_or(Stream(s));
     let t0 = Instant::now();
     for (i, ev) in trace.events.iter().enumerate() {
         if i >= limit {
@@ -679,7 +683,7 @@ pub fn replay<D: Driver>(
         match *ev {
             Event::Alloc { id, bytes, stream } => {
                 r.allocs += 1;
-                match alloc.alloc(bytes, Stream(stream)) {
+                match alloc.alloc(bytes, dev_stream(stream)) {
                     Ok(p) => {
                         ptrs.insert(id, Some((p, stream)));
                     }
@@ -699,7 +703,7 @@ pub fn replay<D: Driver>(
                 r.frees += 1;
                 match ptrs.remove(&id) {
                     Some(Some((p, s0))) => {
-                        if let Err(e) = alloc.free(p, Stream(stream.unwrap_or(s0))) {
+                        if let Err(e) = alloc.free(p, dev_stream(stream.unwrap_or(s0))) {
                             r.failed_frees += 1;
                             if r.first_error.is_none() {
                                 r.first_error = Some(format!("event {i}: {e}"));

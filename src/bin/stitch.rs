@@ -8,10 +8,11 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 use stitch_alloc::driver::sim::H200_CAPACITY;
-use stitch_alloc::driver::{CudaDriver, Driver, HostDriver, SimDriver};
+use stitch_alloc::driver::{CudaDriver, CudaStream, Driver, HostDriver, SimDriver};
 use stitch_alloc::replay::{replay, CostModel, Meter, Metered, ReplayOptions, ReplayReport};
 use stitch_alloc::trace::gen::{self, Kind, Scale};
 use stitch_alloc::trace::{self, Format, ReadOptions, Trace};
+use stitch_alloc::Stream;
 use stitch_alloc::{plot, Allocator, Capacity, Config};
 
 /// `println!` that ignores a closed pipe (`stitch ... | head` must not panic).
@@ -226,6 +227,9 @@ fn parse_bytes(s: &str) -> Result<u64, String> {
 type Dyn = Metered<Arc<dyn Driver>>;
 
 struct Built {
+    /// The CUDA driver under the allocator, when the backend is CUDA (to create real streams
+    /// for the trace's stream ids).
+    cuda: Option<Arc<CudaDriver>>,
     alloc: Allocator<Dyn>,
     meter: Arc<Meter>,
     describe: String,
@@ -247,7 +251,45 @@ fn cuda_driver() -> Result<(Arc<dyn Driver>, String), String> {
     let d = CudaDriver::new(0).map_err(|e| {
         format!("the CUDA backend is unavailable ({e}); use --backend sim (a simulated H200) or --backend host")
     })?;
-    Ok((Arc::new(d), "CUDA device 0".to_string()))
+    let d = Arc::new(d);
+    CUDA.with(|c| *c.borrow_mut() = Some(d.clone()));
+    Ok((d, "CUDA device 0".to_string()))
+}
+
+thread_local! {
+    /// The last CUDA driver made by `cuda_driver` (picked up by `build_with`).
+    static CUDA: std::cell::RefCell<Option<Arc<CudaDriver>>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Real CUDA streams for a trace's non-zero stream ids (a trace records the raw stream
+/// handles of the process that made it, which mean nothing here). The streams must outlive
+/// the replay.
+fn stream_map(
+    b: &Built,
+    t: &Trace,
+) -> Result<(Vec<CudaStream>, std::collections::HashMap<u64, Stream>), String> {
+    let mut streams = Vec::new();
+    let mut map = std::collections::HashMap::new();
+    let Some(cd) = &b.cuda else {
+        return Ok((streams, map));
+    };
+    for e in &t.events {
+        if let trace::Event::Alloc { stream, .. }
+        | trace::Event::Free {
+            stream: Some(stream),
+            ..
+        } = *e
+        {
+            if stream != 0 && !map.contains_key(&stream) {
+                let s = cd
+                    .create_stream(true)
+                    .map_err(|e| format!("cannot create a CUDA stream: {e}"))?;
+                map.insert(stream, s.stream());
+                streams.push(s);
+            }
+        }
+    }
+    Ok((streams, map))
 }
 
 fn make_driver(a: &AllocArgs) -> Result<(Arc<dyn Driver>, String), String> {
@@ -278,7 +320,9 @@ fn build(a: &AllocArgs) -> Result<Built, String> {
 }
 
 fn build_with(a: &AllocArgs, cost: CostModel) -> Result<Built, String> {
+    CUDA.with(|c| *c.borrow_mut() = None);
     let (drv, describe) = make_driver(a)?;
+    let cuda = CUDA.with(|c| c.borrow_mut().take());
     let meter = Meter::new(cost);
     let mut cfg = Config::default()
         .with_stitching(!a.no_stitch)
@@ -304,6 +348,7 @@ fn build_with(a: &AllocArgs, cost: CostModel) -> Result<Built, String> {
     let alloc = Allocator::new(Metered::new(drv, meter.clone()), cfg)
         .map_err(|e| format!("cannot create the allocator: {e}"))?;
     Ok(Built {
+        cuda,
         alloc,
         meter,
         describe,
@@ -460,10 +505,12 @@ fn cmd_replay(a: &ReplayArgs) -> Result<(), String> {
     };
     let b = build_with(&a.alloc, cost)?;
     let t = load(&a.trace)?;
+    let (_streams, map) = stream_map(&b, &t)?;
     let opts = ReplayOptions {
         meter: Some(b.meter.clone()),
         timeline: a.plot.is_some(),
         skip_stranded: a.skip_stranded,
+        streams: map,
         ..Default::default()
     };
     let mut r = replay(&t, &b.alloc, &opts);
@@ -560,9 +607,11 @@ fn cmd_map(a: &MapArgs) -> Result<(), String> {
     let b = build(&a.alloc)?;
     let t = load(&a.trace)?;
     let at = a.at.unwrap_or(t.events.len()).min(t.events.len());
+    let (_streams, map) = stream_map(&b, &t)?;
     let opts = ReplayOptions {
         meter: Some(b.meter.clone()),
         stop_after: Some(at),
+        streams: map,
         ..Default::default()
     };
     let r = replay(&t, &b.alloc, &opts);
@@ -621,8 +670,10 @@ fn demo_run(t: &Trace, stitching: bool, backend: Backend) -> Result<ReplayReport
         reserve_slack_min: None,
         paranoid: false,
     })?;
+    let (_streams, map) = stream_map(&b, t)?;
     let opts = ReplayOptions {
         meter: Some(b.meter.clone()),
+        streams: map,
         ..Default::default()
     };
     let mut r = replay(t, &b.alloc, &opts);
