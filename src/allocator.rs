@@ -151,6 +151,27 @@ impl<D: Driver> Allocator<D> {
         self.engine.lock().record_stream(ptr.0, stream)
     }
 
+    /// Call before destroying a stream that was passed to [`Allocator::free`]: waits until
+    /// the work queued on it before its frees has completed, so the allocator never records
+    /// an event on it later (fences are recorded lazily, on slow paths). Streams that live as
+    /// long as the allocator need no call.
+    ///
+    /// ```
+    /// use stitch_alloc::{Allocator, Config, Stream};
+    /// use stitch_alloc::driver::SimDriver;
+    /// let a = Allocator::new(SimDriver::with_capacity(1 << 30), Config::default()).unwrap();
+    /// let s = Stream(7);
+    /// let p = a.alloc(1 << 20, s).unwrap();
+    /// a.free(p, s).unwrap();
+    /// a.retire_stream(s).unwrap(); // now the stream may be destroyed
+    /// ```
+    pub fn retire_stream(&self, stream: Stream) -> Result<()> {
+        let mut e = self.engine.lock();
+        let r = e.retire_stream(&self.driver, stream);
+        self.check(&e);
+        r
+    }
+
     /// The usable size of the live allocation at `ptr` (its request rounded to 512 bytes).
     pub fn usable_size(&self, ptr: DevicePtr) -> Option<u64> {
         self.engine.lock().usable_size(ptr.0)

@@ -478,3 +478,22 @@ fn driver_refusal_within_the_growth_budget_falls_back_to_stitching() {
     a.free(ps[1], S0).unwrap();
     a.free(ps[3], S0).unwrap();
 }
+
+#[test]
+fn a_retired_stream_is_never_touched_again() {
+    let (d, a) = sim(GIB);
+    let s = Stream(9);
+    let p = a.alloc(64 * MIB, s).unwrap();
+    let w = d.launch(s, p.0, 64 * MIB);
+    a.free(p, s).unwrap();
+    a.retire_stream(s).unwrap();
+    assert!(d.work_done(w), "retiring waits for the stream's work");
+    let records = d.calls().get(DriverOp::RecordEvent);
+    // Slow paths and teardown record no event on the retired stream any more.
+    let q = a.alloc(512 * MIB, Stream(1)).unwrap();
+    a.free(q, Stream(1)).unwrap();
+    a.shutdown();
+    let after = d.calls().get(DriverOp::RecordEvent);
+    assert!(after - records <= 1, "only stream 1 may be fenced: {}", after - records);
+    assert!(d.leak_report().is_clean());
+}

@@ -234,6 +234,9 @@ struct Built {
     meter: Arc<Meter>,
     describe: String,
     stitching: bool,
+    /// CUDA streams made for a trace's stream ids: declared after `alloc`, so they are
+    /// destroyed after the allocator (which may record fences on them until its teardown).
+    streams: std::cell::RefCell<Vec<CudaStream>>,
 }
 
 fn sim_driver(capacity: Option<u64>) -> (Arc<dyn Driver>, String) {
@@ -262,16 +265,13 @@ thread_local! {
 }
 
 /// Real CUDA streams for a trace's non-zero stream ids (a trace records the raw stream
-/// handles of the process that made it, which mean nothing here). The streams must outlive
-/// the replay.
-fn stream_map(
-    b: &Built,
-    t: &Trace,
-) -> Result<(Vec<CudaStream>, std::collections::HashMap<u64, Stream>), String> {
-    let mut streams = Vec::new();
+/// handles of the process that made it, which mean nothing here). `b` keeps the streams
+/// until after its allocator is gone.
+fn stream_map(b: &Built, t: &Trace) -> Result<std::collections::HashMap<u64, Stream>, String> {
+    let mut streams = b.streams.borrow_mut();
     let mut map = std::collections::HashMap::new();
     let Some(cd) = &b.cuda else {
-        return Ok((streams, map));
+        return Ok(map);
     };
     for e in &t.events {
         if let trace::Event::Alloc { stream, .. }
@@ -289,7 +289,7 @@ fn stream_map(
             }
         }
     }
-    Ok((streams, map))
+    Ok(map)
 }
 
 fn make_driver(a: &AllocArgs) -> Result<(Arc<dyn Driver>, String), String> {
@@ -353,6 +353,7 @@ fn build_with(a: &AllocArgs, cost: CostModel) -> Result<Built, String> {
         meter,
         describe,
         stitching: !a.no_stitch,
+        streams: Default::default(),
     })
 }
 
@@ -505,7 +506,7 @@ fn cmd_replay(a: &ReplayArgs) -> Result<(), String> {
     };
     let b = build_with(&a.alloc, cost)?;
     let t = load(&a.trace)?;
-    let (_streams, map) = stream_map(&b, &t)?;
+    let map = stream_map(&b, &t)?;
     let opts = ReplayOptions {
         meter: Some(b.meter.clone()),
         timeline: a.plot.is_some(),
@@ -607,7 +608,7 @@ fn cmd_map(a: &MapArgs) -> Result<(), String> {
     let b = build(&a.alloc)?;
     let t = load(&a.trace)?;
     let at = a.at.unwrap_or(t.events.len()).min(t.events.len());
-    let (_streams, map) = stream_map(&b, &t)?;
+    let map = stream_map(&b, &t)?;
     let opts = ReplayOptions {
         meter: Some(b.meter.clone()),
         stop_after: Some(at),
@@ -670,7 +671,7 @@ fn demo_run(t: &Trace, stitching: bool, backend: Backend) -> Result<ReplayReport
         reserve_slack_min: None,
         paranoid: false,
     })?;
-    let (_streams, map) = stream_map(&b, t)?;
+    let map = stream_map(&b, t)?;
     let opts = ReplayOptions {
         meter: Some(b.meter.clone()),
         streams: map,

@@ -767,6 +767,26 @@ impl Engine {
         Ok(())
     }
 
+    /// Wait until every free made on `stream` is usable by everyone; afterwards the allocator
+    /// never touches `stream` again (unless it is used again), so it may be destroyed.
+    pub(crate) fn retire_stream<D: Driver + ?Sized>(
+        &mut self,
+        d: &D,
+        stream: Stream,
+    ) -> Result<()> {
+        if let Some(k) = self.owner_index(stream) {
+            self.poll_owner(d, k, true)?;
+            if let Some((e, _)) = self.owners[k].fence.take() {
+                self.destroy_event(d, e);
+            }
+        }
+        let uses = |p: &PendingFree| !p.events.is_empty();
+        if self.pending.iter().any(uses) {
+            self.poll_pending(d, true)?;
+        }
+        Ok(())
+    }
+
     /// Note that the live allocation at `ptr` is also used on `stream`.
     pub(crate) fn record_stream(&mut self, ptr: u64, stream: Stream) -> Result<()> {
         if self.shut_down {
@@ -832,6 +852,14 @@ impl Engine {
             self.retry_quarantine(d);
         }
         for k in 1..self.owners.len() {
+            self.poll_owner(d, k, wait)?;
+        }
+        self.poll_pending(d, wait)
+    }
+
+    /// Fence stream owner `k`'s frees and make clean what has completed (see `poll`).
+    fn poll_owner<D: Driver + ?Sized>(&mut self, d: &D, k: usize, wait: bool) -> Result<()> {
+        {
             loop {
                 let dirty = self.bins[k].iter().any(|b| b.count > 0);
                 if self.owners[k].fence.is_none() {
@@ -859,6 +887,11 @@ impl Engine {
                 // Frees after the fence are still dirty: go round and fence them too.
             }
         }
+        Ok(())
+    }
+
+    /// Make clean the multi-stream frees whose events have all completed (all, with `wait`).
+    fn poll_pending<D: Driver + ?Sized>(&mut self, d: &D, wait: bool) -> Result<()> {
         let mut j = 0;
         while j < self.pending.len() {
             let mut all = true;
