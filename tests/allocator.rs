@@ -494,6 +494,10 @@ fn a_retired_stream_is_never_touched_again() {
     a.free(q, Stream(1)).unwrap();
     a.shutdown();
     let after = d.calls().get(DriverOp::RecordEvent);
-    assert!(after - records <= 1, "only stream 1 may be fenced: {}", after - records);
+    assert!(
+        after - records <= 1,
+        "only stream 1 may be fenced: {}",
+        after - records
+    );
     assert!(d.leak_report().is_clean());
 }
