@@ -41,7 +41,7 @@ use std::sync::OnceLock;
 pub const CONF_ENV: &str = "STITCH_ALLOC_CONF";
 
 /// The keys `STITCH_ALLOC_CONF` accepts.
-pub const CONF_KEYS: [&str; 11] = [
+pub const CONF_KEYS: [&str; 12] = [
     "backend",
     "capacity_fraction",
     "capacity_bytes",
@@ -50,6 +50,7 @@ pub const CONF_KEYS: [&str; 11] = [
     "max_handle",
     "stitching",
     "reserve_slack",
+    "reserve_slack_min",
     "log",
     "devices",
     "on_oom",
@@ -104,6 +105,7 @@ struct CapiConfig {
     max_handle: Option<u64>,
     stitching: Option<bool>,
     reserve_slack: Option<f64>,
+    reserve_slack_min: Option<u64>,
     log: LogLevel,
     devices: Option<u32>,
     on_oom: OnOom,
@@ -120,6 +122,7 @@ impl Default for CapiConfig {
             max_handle: None,
             stitching: None,
             reserve_slack: None,
+            reserve_slack_min: None,
             log: LogLevel::Warn,
             devices: None,
             on_oom: OnOom::Null,
@@ -224,6 +227,7 @@ impl CapiConfig {
                         .ok_or_else(|| bad("a finite number >= 0"))?;
                     c.reserve_slack = Some(f);
                 }
+                "reserve_slack_min" => c.reserve_slack_min = Some(size()?),
                 "log" => {
                     c.log = match lower.as_str() {
                         "off" | "none" => LogLevel::Off,
@@ -289,6 +293,9 @@ impl CapiConfig {
         }
         if let Some(v) = self.stitching {
             cfg.stitching = v;
+        }
+        if let Some(v) = self.reserve_slack_min {
+            cfg.reserve_slack_min = v;
         }
         if let Some(v) = self.reserve_slack {
             cfg.reserve_slack = v;
@@ -941,7 +948,8 @@ mod tests {
         assert_eq!(CapiConfig::parse(" , ").unwrap(), CapiConfig::default());
         let c = CapiConfig::parse(
             "backend:host, capacity_bytes:1GiB,small_threshold:512KiB,max_handle:64MiB,\
-             min_handle:4M,stitching:False,reserve_slack:0.05,log:debug,devices:2,on_oom:abort",
+             min_handle:4M,stitching:False,reserve_slack:0.05,log:debug,devices:2,on_oom:abort,\
+             reserve_slack_min:64MiB",
         )
         .unwrap();
         assert_eq!(c.backend, BackendKind::Host);
@@ -951,6 +959,7 @@ mod tests {
         assert_eq!(c.min_handle, Some(4 * MIB));
         assert_eq!(c.stitching, Some(false));
         assert_eq!(c.reserve_slack, Some(0.05));
+        assert_eq!(c.reserve_slack_min, Some(64 << 20));
         assert_eq!(c.log, LogLevel::Debug);
         assert_eq!(c.devices, Some(2));
         assert_eq!(c.on_oom, OnOom::Abort);
