@@ -400,18 +400,17 @@ impl Engine {
             .min_by_key(|&i| self.blocks[i as usize].size)
     }
 
-    /// Hand out `rsize` bytes from the start of free block `i`.
+    /// Hand out `rsize` bytes of free block `i` (at its start, or where `placement` says).
     #[inline]
     fn take(&mut self, mut i: u32, rsize: u64, requested: u64, stream: Stream) -> u64 {
-        let (owner, seq) = match self.blocks[i as usize].state {
-            State::Free { owner, seq } => (owner, seq),
-            _ => unreachable!("take of a block that is not free"),
+        let State::Free { owner, .. } = self.blocks[i as usize].state else {
+            unreachable!("take of a block that is not free")
         };
         let pool = self.blocks[i as usize].pool;
         self.bins[owner as usize][pool as usize].remove(&mut self.blocks, i);
-        let (mut addr, mut size, mut next) = {
+        let (mut addr, mut size) = {
             let b = &self.blocks[i as usize];
-            (b.addr, b.size, b.next)
+            (b.addr, b.size)
         };
         let off = if pool == Pool::Large && size > rsize {
             self.placement(addr, size, rsize)
@@ -420,45 +419,14 @@ impl Engine {
         };
         if off > 0 {
             // The piece in front stays free as block `i`; the allocation starts a new block.
-            let j = self.new_block(Block {
-                addr: addr + off,
-                size: size - off,
-                prev: i,
-                next,
-                fprev: NIL,
-                fnext: NIL,
-                pool,
-                state: State::Free { owner, seq },
-            });
-            if next != NIL {
-                self.blocks[next as usize].prev = j;
-            }
-            let b = &mut self.blocks[i as usize];
-            b.next = j;
-            b.size = off;
+            let j = self.split(i, off);
             self.bins[owner as usize][pool as usize].insert(&mut self.blocks, i);
             i = j;
             addr += off;
             size -= off;
-            next = self.blocks[j as usize].next;
         }
         if size > rsize {
-            let r = self.new_block(Block {
-                addr: addr + rsize,
-                size: size - rsize,
-                prev: i,
-                next,
-                fprev: NIL,
-                fnext: NIL,
-                pool,
-                state: State::Free { owner, seq },
-            });
-            if next != NIL {
-                self.blocks[next as usize].prev = r;
-            }
-            let b = &mut self.blocks[i as usize];
-            b.next = r;
-            b.size = rsize;
+            let r = self.split(i, rsize);
             self.bins[owner as usize][pool as usize].insert(&mut self.blocks, r);
         }
         self.blocks[i as usize].state = State::Live { requested, stream };
@@ -469,6 +437,34 @@ impl Engine {
         s.live_allocations.add(1);
         s.allocs += 1;
         addr
+    }
+
+    /// Split block `i` (in no list) at byte `at`: `i` keeps the front, a new block with the
+    /// same pool and state takes the rest and is linked after it. Returns the new block.
+    #[inline]
+    fn split(&mut self, i: u32, at: u64) -> u32 {
+        let (addr, size, next, pool, state) = {
+            let b = &self.blocks[i as usize];
+            (b.addr, b.size, b.next, b.pool, b.state)
+        };
+        debug_assert!(at > 0 && at < size);
+        let j = self.new_block(Block {
+            addr: addr + at,
+            size: size - at,
+            prev: i,
+            next,
+            fprev: NIL,
+            fnext: NIL,
+            pool,
+            state,
+        });
+        if next != NIL {
+            self.blocks[next as usize].prev = j;
+        }
+        let b = &mut self.blocks[i as usize];
+        b.next = j;
+        b.size = at;
+        j
     }
 
     /// Where to put `rsize` bytes inside the free block `[a, a+size)` (an offset): the place
