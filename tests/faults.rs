@@ -5,23 +5,12 @@ mod common;
 
 use proptest::prelude::*;
 use std::sync::Arc;
+use stitch_alloc::driver::faulty::INJECTABLE;
 use stitch_alloc::driver::{DriverOp, FaultyDriver, HostDriver, SimDriver};
 use stitch_alloc::testing::{Harness, Op};
 use stitch_alloc::{AllocError, Allocator, Capacity, Config, Stream};
 
 const MIB: u64 = 1 << 20;
-
-const KINDS: [DriverOp; 9] = [
-    DriverOp::Reserve,
-    DriverOp::Create,
-    DriverOp::Release,
-    DriverOp::Map,
-    DriverOp::Unmap,
-    DriverOp::SetAccess,
-    DriverOp::RecordEvent,
-    DriverOp::QueryEvent,
-    DriverOp::WaitEvent,
-];
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: common::cases(128), ..ProptestConfig::default() })]
@@ -34,8 +23,7 @@ proptest! {
         prob in 0.01f64..0.3,
     ) {
         let dev = FaultyDriver::new(SimDriver::with_capacity(256 * MIB));
-        let all: Vec<DriverOp> = KINDS.iter().copied().chain([DriverOp::DestroyEvent]).collect();
-        dev.fail_randomly(&all, prob, seed);
+        dev.fail_randomly(&INJECTABLE, prob, seed);
         dev.set_enabled(false);
         let cfg = Config::default().with_reserve_slack(0.0, 0).with_handle_sizes(0, 16 * MIB);
         let h = Harness::new(dev, cfg).map_err(|e| TestCaseError::fail(e.to_string()))?;
@@ -50,7 +38,7 @@ proptest! {
         seed in any::<u64>(),
     ) {
         let dev = FaultyDriver::new(HostDriver::with_capacity(64 * MIB).unwrap());
-        dev.fail_randomly(&KINDS, 0.1, seed);
+        dev.fail_randomly(&INJECTABLE[..9], 0.1, seed); // all but destroy_event
         dev.set_enabled(false);
         let cfg = Config::default()
             .with_capacity(Capacity::Bytes(64 * MIB))

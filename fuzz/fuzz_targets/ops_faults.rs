@@ -3,7 +3,8 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use stitch_alloc::driver::{DriverOp, FaultyDriver, SimDriver};
+use stitch_alloc::driver::faulty::INJECTABLE;
+use stitch_alloc::driver::{FaultyDriver, SimDriver};
 use stitch_alloc::testing::{Harness, Op};
 use stitch_alloc::Config;
 
@@ -17,19 +18,7 @@ fuzz_target!(|data: &[u8]| {
     let prob = data[8] as f64 / 512.0;
     let ops = Op::decode(&data[9..], 256 * MIB);
     let dev = FaultyDriver::new(SimDriver::with_capacity(256 * MIB));
-    let kinds = [
-        DriverOp::Reserve,
-        DriverOp::Create,
-        DriverOp::Release,
-        DriverOp::Map,
-        DriverOp::Unmap,
-        DriverOp::SetAccess,
-        DriverOp::RecordEvent,
-        DriverOp::QueryEvent,
-        DriverOp::WaitEvent,
-        DriverOp::DestroyEvent,
-    ];
-    dev.fail_randomly(&kinds, prob, seed);
+    dev.fail_randomly(&INJECTABLE, prob, seed);
     dev.set_enabled(false);
     let cfg = Config::default()
         .with_reserve_slack(0.0, 0)

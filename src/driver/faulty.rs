@@ -8,6 +8,20 @@ use super::{
 };
 use parking_lot::Mutex;
 
+/// Every kind of call the allocator makes after start-up, i.e. every kind worth failing.
+pub const INJECTABLE: [DriverOp; 10] = [
+    DriverOp::Reserve,
+    DriverOp::Create,
+    DriverOp::Release,
+    DriverOp::Map,
+    DriverOp::Unmap,
+    DriverOp::SetAccess,
+    DriverOp::RecordEvent,
+    DriverOp::QueryEvent,
+    DriverOp::WaitEvent,
+    DriverOp::DestroyEvent,
+];
+
 #[derive(Debug)]
 struct Plan {
     on: bool,
