@@ -96,46 +96,15 @@ fn run(cfg: Config, seed: u64) {
         }
         peak_live = peak_live.max(a.stats().requested.current);
         if std::env::var("LAB_SNAP").is_ok() && step == 700 {
-            let snap = a.snapshot();
-            // handles in address order, with live bytes inside
-            let mut hs: Vec<(u64, u64)> = snap
-                .handles
-                .iter()
-                .filter_map(|h| h.addr.map(|a| (a, h.size)))
-                .collect();
-            hs.sort();
-            let mut rows = Vec::new();
-            for &(ha, hsz) in &hs {
-                let mut live = 0;
-                let mut free = 0;
-                let mut lives = Vec::new();
-                for run in &snap.runs {
-                    for b in run {
-                        let s0 = b.addr.max(ha);
-                        let e0 = (b.addr + b.size).min(ha + hsz);
-                        if s0 < e0 {
-                            if b.state == "live" {
-                                live += e0 - s0;
-                                lives.push(b.size >> 20);
-                            } else {
-                                free += e0 - s0;
-                            }
-                        }
-                    }
-                }
-                if live > 0 && free > 0 {
-                    rows.push((free, hsz, live, lives));
-                }
-            }
-            rows.sort_by_key(|r| std::cmp::Reverse(r.0));
-            let tot: u64 = rows.iter().map(|r| r.0).sum();
+            let rows = a.snapshot().stranded_handles();
+            let tot: u64 = rows.iter().map(|r| r.free).sum();
             eprintln!("stranded total {} MiB in {} handles", tot >> 20, rows.len());
             for r in rows.iter().take(25) {
                 eprintln!(
-                    "  free {:>5} MiB of handle {:>5} MiB; live blocks (MiB) {:?}",
-                    r.0 >> 20,
-                    r.1 >> 20,
-                    &r.3[..r.3.len().min(8)]
+                    "  free {:>5} MiB of handle {:>5} MiB; live blocks {:?}",
+                    r.free >> 20,
+                    r.size >> 20,
+                    r.live_blocks
                 );
             }
         }

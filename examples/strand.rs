@@ -7,39 +7,19 @@ use stitch_alloc::trace::{read_path, Event, ReadOptions};
 use stitch_alloc::{Allocator, Config, DevicePtr, Snapshot, Stream};
 
 fn report(snap: &Snapshot) {
-    let mut hs: Vec<(u64, u64)> = snap
-        .handles
-        .iter()
-        .filter_map(|h| h.addr.map(|a| (a, h.size)))
-        .collect();
-    hs.sort();
-    let mut rows = Vec::new();
-    for &(ha, hsz) in &hs {
-        let (mut live, mut free, mut lives) = (0, 0, Vec::new());
-        for b in snap.runs.iter().flatten() {
-            let (s0, e0) = (b.addr.max(ha), (b.addr + b.size).min(ha + hsz));
-            if s0 < e0 {
-                if b.state == "live" {
-                    live += e0 - s0;
-                    lives.push((b.size >> 20, (e0 - s0) >> 20));
-                } else {
-                    free += e0 - s0;
-                }
-            }
-        }
-        if live > 0 && free > 0 {
-            rows.push((free, hsz, lives));
-        }
-    }
-    rows.sort_by_key(|r| std::cmp::Reverse(r.0));
-    let tot: u64 = rows.iter().map(|r| r.0).sum();
+    let rows = snap.stranded_handles();
+    let tot: u64 = rows.iter().map(|r| r.free).sum();
     println!("stranded {} MiB in {} handles; top:", tot >> 20, rows.len());
     for r in rows.iter().take(20) {
+        let mib: Vec<(u64, u64)> = r
+            .live_blocks
+            .iter()
+            .map(|&(s, i)| (s >> 20, i >> 20))
+            .collect();
         println!(
-            "  {:>5} MiB free of a {:>5} MiB handle; live blocks (size MiB, MiB inside): {:?}",
-            r.0 >> 20,
-            r.1 >> 20,
-            r.2
+            "  {:>5} MiB free of a {:>5} MiB handle; live blocks (size MiB, MiB inside): {mib:?}",
+            r.free >> 20,
+            r.size >> 20
         );
     }
 }

@@ -154,6 +154,20 @@ pub struct HandleView {
     pub holds_live: bool,
 }
 
+/// A mapped handle that holds both live and free bytes: its free part is usable in place
+/// only, never by stitching ("stranded").
+#[derive(Clone, Debug, Serialize)]
+pub struct StrandedHandle {
+    /// Where the handle is mapped.
+    pub addr: u64,
+    /// Its size.
+    pub size: u64,
+    /// Free bytes inside it.
+    pub free: u64,
+    /// The live blocks overlapping it: (block size, bytes of it inside this handle).
+    pub live_blocks: Vec<(u64, u64)>,
+}
+
 /// The allocator's whole layout, for JSON dumps and address-space pictures.
 #[derive(Clone, Debug, Serialize)]
 pub struct Snapshot {
@@ -165,6 +179,50 @@ pub struct Snapshot {
     pub handles: Vec<HandleView>,
     /// Runs of contiguously mapped blocks, each in address order.
     pub runs: Vec<Vec<BlockView>>,
+}
+
+impl Snapshot {
+    /// Every stranded handle, most free bytes first: where fragmentation inside handles sits.
+    ///
+    /// ```
+    /// use stitch_alloc::{Allocator, Config, Stream};
+    /// use stitch_alloc::driver::SimDriver;
+    /// let a = Allocator::new(SimDriver::with_capacity(1 << 30), Config::default()).unwrap();
+    /// let p = a.alloc(100 << 20, Stream::DEFAULT).unwrap();
+    /// let q = a.alloc(20 << 20, Stream::DEFAULT).unwrap();
+    /// a.free(p, Stream::DEFAULT).unwrap();
+    /// let _ = a.alloc(10 << 20, Stream::DEFAULT).unwrap(); // reuses part of p's handle
+    /// let s = a.snapshot().stranded_handles();
+    /// assert!(s.iter().all(|h| h.free > 0 && !h.live_blocks.is_empty()));
+    /// # let _ = q;
+    /// ```
+    pub fn stranded_handles(&self) -> Vec<StrandedHandle> {
+        let mut out = Vec::new();
+        for h in &self.handles {
+            let Some(ha) = h.addr else { continue };
+            let (mut free, mut live) = (0, Vec::new());
+            for b in self.runs.iter().flatten() {
+                let (s0, e0) = (b.addr.max(ha), (b.addr + b.size).min(ha + h.size));
+                if s0 < e0 {
+                    if b.state == "live" {
+                        live.push((b.size, e0 - s0));
+                    } else {
+                        free += e0 - s0;
+                    }
+                }
+            }
+            if free > 0 && !live.is_empty() {
+                out.push(StrandedHandle {
+                    addr: ha,
+                    size: h.size,
+                    free,
+                    live_blocks: live,
+                });
+            }
+        }
+        out.sort_by_key(|h| std::cmp::Reverse(h.free));
+        out
+    }
 }
 
 /// The engine state (see the module docs).
