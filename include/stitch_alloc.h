@@ -30,6 +30,8 @@
  *   stitching:true|false        remap free handles into new spans (default true)
  *   reserve_slack:F             growth slack before free handles are reused (default 0.01)
  *   reserve_slack_min:SIZE      floor under that slack (default 256MiB)
+ *   medium_threshold:N, medium_page:N
+ *                               pack requests up to N into shared pages (default off)
  *   log:off|error|warn|info|debug|trace
  *                               stderr logging level (default warn)
  *   devices:N                   host/sim: device ordinals served (default 8); cuda: at most

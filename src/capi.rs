@@ -41,7 +41,7 @@ use std::sync::OnceLock;
 pub const CONF_ENV: &str = "STITCH_ALLOC_CONF";
 
 /// The keys `STITCH_ALLOC_CONF` accepts.
-pub const CONF_KEYS: [&str; 12] = [
+pub const CONF_KEYS: [&str; 14] = [
     "backend",
     "capacity_fraction",
     "capacity_bytes",
@@ -51,6 +51,8 @@ pub const CONF_KEYS: [&str; 12] = [
     "stitching",
     "reserve_slack",
     "reserve_slack_min",
+    "medium_threshold",
+    "medium_page",
     "log",
     "devices",
     "on_oom",
@@ -106,6 +108,8 @@ struct CapiConfig {
     stitching: Option<bool>,
     reserve_slack: Option<f64>,
     reserve_slack_min: Option<u64>,
+    medium_threshold: Option<u64>,
+    medium_page: Option<u64>,
     log: LogLevel,
     devices: Option<u32>,
     on_oom: OnOom,
@@ -123,6 +127,8 @@ impl Default for CapiConfig {
             stitching: None,
             reserve_slack: None,
             reserve_slack_min: None,
+            medium_threshold: None,
+            medium_page: None,
             log: LogLevel::Warn,
             devices: None,
             on_oom: OnOom::Null,
@@ -228,6 +234,8 @@ impl CapiConfig {
                     c.reserve_slack = Some(f);
                 }
                 "reserve_slack_min" => c.reserve_slack_min = Some(size()?),
+                "medium_threshold" => c.medium_threshold = Some(size()?),
+                "medium_page" => c.medium_page = Some(size()?),
                 "log" => {
                     c.log = match lower.as_str() {
                         "off" | "none" => LogLevel::Off,
@@ -296,6 +304,12 @@ impl CapiConfig {
         }
         if let Some(v) = self.reserve_slack_min {
             cfg.reserve_slack_min = v;
+        }
+        if let Some(v) = self.medium_threshold {
+            cfg.medium_threshold = v;
+        }
+        if let Some(v) = self.medium_page {
+            cfg.medium_page = v;
         }
         if let Some(v) = self.reserve_slack {
             cfg.reserve_slack = v;
@@ -949,7 +963,7 @@ mod tests {
         let c = CapiConfig::parse(
             "backend:host, capacity_bytes:1GiB,small_threshold:512KiB,max_handle:64MiB,\
              min_handle:4M,stitching:False,reserve_slack:0.05,log:debug,devices:2,on_oom:abort,\
-             reserve_slack_min:64MiB",
+             reserve_slack_min:64MiB,medium_threshold:8MiB,medium_page:32MiB",
         )
         .unwrap();
         assert_eq!(c.backend, BackendKind::Host);
@@ -960,6 +974,10 @@ mod tests {
         assert_eq!(c.stitching, Some(false));
         assert_eq!(c.reserve_slack, Some(0.05));
         assert_eq!(c.reserve_slack_min, Some(64 << 20));
+        assert_eq!(
+            (c.medium_threshold, c.medium_page),
+            (Some(8 << 20), Some(32 << 20))
+        );
         assert_eq!(c.log, LogLevel::Debug);
         assert_eq!(c.devices, Some(2));
         assert_eq!(c.on_oom, OnOom::Abort);
