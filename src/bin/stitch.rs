@@ -357,6 +357,16 @@ fn build_with(a: &AllocArgs, cost: CostModel) -> Result<Built, String> {
     })
 }
 
+impl TraceArgs {
+    /// The trace file's name, for picture titles.
+    fn name(&self) -> String {
+        self.file
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default()
+    }
+}
+
 fn load(t: &TraceArgs) -> Result<Trace, String> {
     let format = match t.format {
         FormatArg::Auto => Format::Auto,
@@ -522,12 +532,7 @@ fn cmd_replay(a: &ReplayArgs) -> Result<(), String> {
         }
     }
     if let (Some(path), Some(tl)) = (&a.plot, &r.timeline) {
-        let name = a
-            .trace
-            .file
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default();
+        let name = a.trace.name();
         let title = format!(
             "{name}: peak reserved / peak live = {:.4} (stitching {})",
             r.ratio,
@@ -617,12 +622,7 @@ fn cmd_map(a: &MapArgs) -> Result<(), String> {
     };
     let r = replay(&t, &b.alloc, &opts);
     let snap = b.alloc.snapshot();
-    let name = a
-        .trace
-        .file
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
+    let name = a.trace.name();
     let title = format!(
         "{name} after {at} events (stitching {})",
         if b.stitching { "on" } else { "off" }
