@@ -115,24 +115,17 @@ fn run(cfg: Config, seed: u64) {
                 d.live_handle_bytes as f64 / 1073741824.0, d.stranded_bytes as f64 / 1073741824.0,
                 d.free_handle_bytes as f64 / 1073741824.0, d.small_pages, d.small_stranded_bytes as f64 / 1073741824.0, d.free_spans);
         }
-        temps.retain(|&(p, e)| {
-            if e <= step {
-                a.free(p, s).unwrap();
-                events += 1;
-                false
-            } else {
-                true
-            }
-        });
-        smalls.retain(|&(p, e)| {
-            if e <= step {
-                a.free(p, s).unwrap();
-                events += 1;
-                false
-            } else {
-                true
-            }
-        });
+        for list in [&mut temps, &mut smalls] {
+            list.retain(|&(p, e)| {
+                if e <= step {
+                    a.free(p, s).unwrap();
+                    events += 1;
+                    false
+                } else {
+                    true
+                }
+            });
+        }
     }
     let st = a.stats();
     let c = st.calls;
