@@ -43,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from statistics import median
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -101,6 +102,13 @@ def parse_args(argv=None):
     p.add_argument("--train-max-batch", type=int, default=16)
     p.add_argument("--train-max-seq", type=int, default=2046)
     p.add_argument("--no-probe", action="store_true", help="skip the largest-tensor probe")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run every (allocator, workload) this many times, interleaved, to see "
+                        "the run-to-run spread of throughput (vs dflt uses default's median)")
+    p.add_argument("--record", default=None, metavar="DIR",
+                   help="for PyTorch's own allocators, record the allocation history "
+                        "(torch.cuda.memory._record_memory_history) and write "
+                        "DIR/<workload>-<config>.pickle.gz, a trace `stitch replay` reads")
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
     p.add_argument("--dry-run", action="store_true", help="print the plan; run nothing")
     p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD)")
@@ -128,7 +136,7 @@ def parse_args(argv=None):
         a.train_max_batch = min(a.train_max_batch, 4)
         a.train_max_seq = min(a.train_max_seq, 512)
         a.timeout = min(a.timeout, 300.0)
-    for name in ("gen_batches", "gen_layers", "gen_hidden", "gen_max_batch", "train_steps",
+    for name in ("repeat", "gen_batches", "gen_layers", "gen_hidden", "gen_max_batch", "train_steps",
                  "train_layers", "train_hidden", "train_max_batch"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -176,6 +184,8 @@ def child_args(a, config, workload, result):
         keep += ["--lib", a.lib]
     if a.no_probe:
         keep.append("--no-probe")
+    if a.record:
+        keep += ["--record", a.record]
     return [os.path.abspath(__file__), "--child", config, "--workload", workload,
             "--result", result] + keep
 
@@ -413,6 +423,12 @@ def child(a):
         res["stitch_version"] = stitch_alloc.version()
     import torch
 
+    recording = bool(a.record) and not c["stitch"]
+    if recording:
+        # Trace events only (no stack capture: context=None keeps the file small and the
+        # run's speed close to an unrecorded one's).
+        torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
+                                                 max_entries=50_000_000)
     torch.manual_seed(a.seed)
     res["torch"] = torch.__version__
     try:
@@ -438,6 +454,17 @@ def child(a):
 
         res["stitch_summary"] = stitch_alloc.memory_summary(0)
     res["wall_seconds"] = time.perf_counter() - t0
+    if recording:
+        import gzip
+        import pickle
+
+        snap = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        os.makedirs(a.record, exist_ok=True)
+        path = os.path.join(a.record, f"{a.workload}-{a.child}.pickle.gz")
+        with gzip.open(path, "wb") as f:
+            pickle.dump(snap, f)
+        res["recorded"] = {"path": path, "events": sum(len(t) for t in snap["device_traces"])}
     res["ok"] = True
     del keep
     with open(a.result, "w") as f:
@@ -508,10 +535,14 @@ def table(results):
             f"{'res/alloc':>9} {'res/req':>8} {'throughput':>16} {'vs dflt':>8} "
             f"{'largest':>8} {'/avail':>7}  status")
     lines = [head, "-" * len(head)]
-    base = {}
+    def tput(r):
+        return r["tokens_per_s"] if r["workload"] == "generate" else r["steps_per_s"]
+
+    runs = {}  # (workload, config) -> throughputs
     for r in results:
-        if r.get("ok") and r["config"] == "default":
-            base[r["workload"]] = r
+        if r.get("ok"):
+            runs.setdefault((r["workload"], r["config"]), []).append(tput(r))
+    base = {w: median(v) for (w, c), v in runs.items() if c == "default"}
     for r in results:
         if not r.get("ok"):
             lines.append(f"{r['workload']:<9} {r['label']:<20} {'':>9} {'':>10} {'':>9} {'':>8} "
@@ -526,14 +557,21 @@ def table(results):
         else:
             tp, unit = r["steps_per_s"], "steps/s"
         b = base.get(r["workload"])
-        key = "tokens_per_s" if r["workload"] == "generate" else "steps_per_s"
-        vs = f"{tp / b[key]:.3f}" if b and b.get(key) else "-"
+        vs = f"{tp / b:.3f}" if b else "-"
         lines.append(
             f"{r['workload']:<9} {r['label']:<20} {gib(m['reserved_bytes.all.peak']):>9} "
             f"{gib(m['allocated_bytes.all.peak']):>10} {ratio(m['reserved_over_allocated']):>9} "
             f"{ratio(m['reserved_over_requested']):>8} {tp:>10.2f} {unit:<5} {vs:>8} "
             f"{gib(pr.get('largest_bytes')):>8} {ratio(pr.get('largest_over_available')):>7}  ok{note}"
         )
+    if any(len(v) > 1 for v in runs.values()):
+        lines.append("")
+        lines.append("throughput over repeated runs (median, min-max, median over default's median):")
+        for (w, c), v in runs.items():
+            b = base.get(w)
+            rel = f"{median(v) / b:.3f}" if b else "-"
+            lines.append(f"  {w:<9} {CONFIGS[c]['label']:<20} n={len(v)} median {median(v):.2f} "
+                         f"[{min(v):.2f}-{max(v):.2f}] vs dflt {rel}")
     lines.append("")
     lines.append("peak res / peak alloc: GiB over the whole process (weights included); res/req: "
                  "peak reserved over peak requested bytes; vs dflt: throughput over PyTorch "
@@ -549,7 +587,7 @@ def main(argv=None):
             print("--child needs --workload and --result", file=sys.stderr)
             return 2
         return child(a)
-    plan = [(c, w) for w in a.workload_list for c in a.config_list]
+    plan = [(c, w) for w in a.workload_list for _ in range(a.repeat) for c in a.config_list]
     if a.dry_run:
         print(f"library: {find_lib(a)}")
         print(f"generate plan ({len(gen_plan(a))} batches, (batch, prompt, new)): {gen_plan(a)}")

@@ -188,6 +188,9 @@ impl Driver for AnyDriver {
     fn has_data(&self) -> bool {
         self.as_dyn().has_data()
     }
+    fn simulated_work(&self) -> Option<&dyn crate::driver::SimulatedWork> {
+        self.as_dyn().simulated_work()
+    }
 }
 
 #[cfg(test)]

@@ -42,6 +42,7 @@
 use crate::allocator::{Allocator, DevicePtr};
 use crate::driver::{
     CallCounts, DevAddr, Driver, DriverOp, DriverResult, EventId, MemInfo, PhysHandle, Stream,
+    WorkId,
 };
 use crate::trace::{Event, Trace};
 use parking_lot::Mutex;
@@ -410,6 +411,9 @@ impl<D: Driver> Driver for Metered<D> {
     fn has_data(&self) -> bool {
         self.inner.has_data()
     }
+    fn simulated_work(&self) -> Option<&dyn crate::driver::SimulatedWork> {
+        self.inner.simulated_work()
+    }
 }
 
 /// How to replay.
@@ -431,6 +435,11 @@ pub struct ReplayOptions {
     /// Device streams for the trace's stream ids (ids not listed are used as they are, which
     /// suits the CPU backends; on CUDA every non-zero id must map to a real stream).
     pub streams: std::collections::HashMap<u64, Stream>,
+    /// Model a GPU that runs this many events behind the CPU (0 = off; CPU backends only):
+    /// each allocation and each free queues simulated work touching the block on its
+    /// stream, and that work completes `gpu_lag` events later. Freed memory then stays in
+    /// use by the device for a while, as under a real framework whose CPU thread runs ahead.
+    pub gpu_lag: usize,
 }
 
 /// Live and reserved bytes over the event index, with stitches and failures marked.
@@ -532,6 +541,10 @@ pub struct ReplayReport {
     pub fast_allocs: u64,
     /// Allocations that took the slow path.
     pub slow_allocs: u64,
+    /// Simulated GPU lag in events ([`ReplayOptions::gpu_lag`]; 0 = none).
+    pub gpu_lag: usize,
+    /// Times the allocator blocked the CPU until the device caught up with a free.
+    pub event_waits: u64,
     /// The largest allocation that succeeded at the last probe, if the trace has one.
     pub largest_alloc_after: Option<u64>,
     /// Every probe's findings.
@@ -665,8 +678,15 @@ pub fn replay<D: Driver>(
             ..Default::default()
         }
     });
-    // id -> (pointer, stream); None for a failed allocation.
-    let mut ptrs: FxHashMap<u64, Option<(DevicePtr, u64)>> = FxHashMap::default();
+    // id -> (pointer, stream, bytes); None for a failed allocation.
+    let mut ptrs: FxHashMap<u64, Option<(DevicePtr, u64, u64)>> = FxHashMap::default();
+    // Simulated device work still in flight: (event index, stream, work), oldest first.
+    let work = if opts.gpu_lag > 0 {
+        alloc.driver().simulated_work()
+    } else {
+        None
+    };
+    let mut in_flight: std::collections::VecDeque<(usize, Stream, WorkId)> = Default::default();
     ptrs.reserve(1024);
     let mut peak_live = 0u64;
     let mut peak_reserved = 0u64;
@@ -680,12 +700,25 @@ pub fn replay<D: Driver>(
         if i >= limit {
             break;
         }
+        if let Some(q) = work {
+            while let Some(&(j, s, w)) = in_flight.front() {
+                if j + opts.gpu_lag > i {
+                    break;
+                }
+                q.complete(s, Some(w));
+                in_flight.pop_front();
+            }
+        }
         match *ev {
             Event::Alloc { id, bytes, stream } => {
                 r.allocs += 1;
                 match alloc.alloc(bytes, dev_stream(stream)) {
                     Ok(p) => {
-                        ptrs.insert(id, Some((p, stream)));
+                        if let Some(q) = work {
+                            let s = dev_stream(stream);
+                            in_flight.push_back((i, s, q.launch(s, p.addr(), bytes)));
+                        }
+                        ptrs.insert(id, Some((p, stream, bytes)));
                     }
                     Err(e) => {
                         r.failed_allocs += 1;
@@ -702,8 +735,13 @@ pub fn replay<D: Driver>(
             Event::Free { id, stream } => {
                 r.frees += 1;
                 match ptrs.remove(&id) {
-                    Some(Some((p, s0))) => {
-                        if let Err(e) = alloc.free(p, dev_stream(stream.unwrap_or(s0))) {
+                    Some(Some((p, s0, bytes))) => {
+                        let s = dev_stream(stream.unwrap_or(s0));
+                        if let Some(q) = work {
+                            // The tensor's last kernel, queued just before the free.
+                            in_flight.push_back((i, s, q.launch(s, p.addr(), bytes)));
+                        }
+                        if let Err(e) = alloc.free(p, s) {
                             r.failed_frees += 1;
                             if r.first_error.is_none() {
                                 r.first_error = Some(format!("event {i}: {e}"));
@@ -766,6 +804,11 @@ pub fn replay<D: Driver>(
         last_stitches = s.stitches;
     }
     let wall = t0.elapsed().as_secs_f64();
+    if let Some(q) = work {
+        for (_, s, w) in in_flight {
+            q.complete(s, Some(w));
+        }
+    }
     let s = alloc.stats();
     r.events = r.allocs + r.frees;
     r.peak_live_bytes = peak_live;
@@ -801,6 +844,8 @@ pub fn replay<D: Driver>(
     r.handles_released = s.handles_released;
     r.fast_allocs = s.fast_allocs;
     r.slow_allocs = s.slow_allocs;
+    r.gpu_lag = if work.is_some() { opts.gpu_lag } else { 0 };
+    r.event_waits = s.event_waits;
     r.timeline = tl;
     r
 }

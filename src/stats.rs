@@ -71,6 +71,10 @@ pub struct Stats {
     pub extensions: u64,
     /// Handles moved by stitching.
     pub stitched_handles: u64,
+    /// Of those, handles moved while device work queued before their free could still be
+    /// using them: mapped at the new address at once (an alias; work on the freeing stream
+    /// stays ordered), the old mapping removed once that work has completed. No CPU wait.
+    pub aliased_handles: u64,
     /// Handles created.
     pub handles_created: u64,
     /// Handles released.

@@ -134,6 +134,11 @@ struct ReplayArgs {
     /// Skip measuring the stranded bytes at each new peak (faster; reports 0).
     #[arg(long)]
     skip_stranded: bool,
+    /// CPU backends: model a GPU running this many events behind the CPU (every
+    /// allocation and free queues simulated work on its stream that completes that many
+    /// events later), as under a framework whose CPU thread runs ahead of the device.
+    #[arg(long, value_name = "EVENTS", default_value_t = 0)]
+    gpu_lag: usize,
     /// A JSON file overriding fields of the driver cost model (see `stitch info` for the
     /// defaults), e.g. {"set_access_quadratic": 0.0}.
     #[arg(long, value_name = "FILE.json")]
@@ -440,6 +445,13 @@ fn print_report(file: &str, t: &Trace, b: &Built, r: &ReplayReport) {
     if let Some(e) = &r.first_error {
         out!("first failure    {e}");
     }
+    if r.gpu_lag > 0 {
+        out!(
+            "gpu lag          {} events (simulated); the CPU waited for the device {} times",
+            thousands(r.gpu_lag as u64),
+            r.event_waits
+        );
+    }
     out!("peak live        {}", gib(r.peak_live_bytes));
     out!(
         "peak reserved    {}   ratio {:.4}",
@@ -522,6 +534,7 @@ fn cmd_replay(a: &ReplayArgs) -> Result<(), String> {
         timeline: a.plot.is_some(),
         skip_stranded: a.skip_stranded,
         streams: map,
+        gpu_lag: a.gpu_lag,
         ..Default::default()
     };
     let mut r = replay(&t, &b.alloc, &opts);

@@ -203,4 +203,7 @@ impl<D: Driver> Driver for FaultyDriver<D> {
     fn has_data(&self) -> bool {
         self.inner.has_data()
     }
+    fn simulated_work(&self) -> Option<&dyn crate::driver::SimulatedWork> {
+        self.inner.simulated_work()
+    }
 }

@@ -174,6 +174,18 @@ impl HostDriver {
     }
 }
 
+impl super::SimulatedWork for HostDriver {
+    fn launch(&self, stream: Stream, addr: DevAddr, len: u64) -> WorkId {
+        HostDriver::launch(self, stream, addr, len)
+    }
+    fn complete(&self, stream: Stream, upto: Option<WorkId>) {
+        HostDriver::complete(self, stream, upto)
+    }
+    fn work_done(&self, w: WorkId) -> bool {
+        HostDriver::work_done(self, w)
+    }
+}
+
 impl Driver for HostDriver {
     fn name(&self) -> &'static str {
         "host"
@@ -401,6 +413,9 @@ impl Driver for HostDriver {
 
     fn has_data(&self) -> bool {
         true
+    }
+    fn simulated_work(&self) -> Option<&dyn super::SimulatedWork> {
+        Some(self)
     }
 }
 

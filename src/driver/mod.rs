@@ -308,6 +308,33 @@ pub trait Driver: Send + Sync {
     fn has_data(&self) -> bool {
         false
     }
+    /// The simulated GPU work queue of a CPU backend (`None` on a real device, whose work
+    /// runs by itself). Replays use it to model a GPU that lags behind the CPU.
+    fn simulated_work(&self) -> Option<&dyn SimulatedWork> {
+        None
+    }
+}
+
+/// Simulated kernels on the CPU backends: work launched on a stream stays in flight (and
+/// keeps its memory from being unmapped) until completed, in launch order.
+///
+/// ```
+/// use stitch_alloc::driver::{Driver, SimDriver};
+/// use stitch_alloc::Stream;
+/// let sim = SimDriver::new();
+/// let q = sim.simulated_work().expect("the simulator queues work");
+/// let w = q.launch(Stream(1), 0, 4096);
+/// assert!(!q.work_done(w));
+/// q.complete(Stream(1), Some(w));
+/// assert!(q.work_done(w));
+/// ```
+pub trait SimulatedWork {
+    /// Queue a kernel on `stream` touching `[addr, addr+len)`.
+    fn launch(&self, stream: Stream, addr: DevAddr, len: u64) -> WorkId;
+    /// Complete the work on `stream` up to and including `upto` (all of it when `None`).
+    fn complete(&self, stream: Stream, upto: Option<WorkId>);
+    /// Whether work `w` has completed.
+    fn work_done(&self, w: WorkId) -> bool;
 }
 
 /// A shared driver: lets a test keep a handle on the driver (say, to read a `SimDriver`'s
@@ -374,5 +401,8 @@ impl<T: Driver + ?Sized> Driver for std::sync::Arc<T> {
     }
     fn has_data(&self) -> bool {
         (**self).has_data()
+    }
+    fn simulated_work(&self) -> Option<&dyn SimulatedWork> {
+        (**self).simulated_work()
     }
 }

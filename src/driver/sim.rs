@@ -128,6 +128,18 @@ fn unknown_event(op: DriverOp, e: EventId) -> DriverError {
     DriverError::new(op, code::INVALID_HANDLE, format!("unknown event {}", e.0))
 }
 
+impl super::SimulatedWork for SimDriver {
+    fn launch(&self, stream: Stream, addr: DevAddr, len: u64) -> WorkId {
+        SimDriver::launch(self, stream, addr, len)
+    }
+    fn complete(&self, stream: Stream, upto: Option<WorkId>) {
+        SimDriver::complete(self, stream, upto)
+    }
+    fn work_done(&self, w: WorkId) -> bool {
+        SimDriver::work_done(self, w)
+    }
+}
+
 impl Driver for SimDriver {
     fn name(&self) -> &'static str {
         "sim"
@@ -217,6 +229,9 @@ impl Driver for SimDriver {
         l.streams
             .destroy(event)
             .ok_or_else(|| unknown_event(DriverOp::DestroyEvent, event))
+    }
+    fn simulated_work(&self) -> Option<&dyn super::SimulatedWork> {
+        Some(self)
     }
 }
 

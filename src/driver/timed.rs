@@ -334,6 +334,9 @@ impl<D: Driver> Driver for Timed<D> {
     fn has_data(&self) -> bool {
         self.inner.has_data()
     }
+    fn simulated_work(&self) -> Option<&dyn crate::driver::SimulatedWork> {
+        self.inner.simulated_work()
+    }
 }
 
 #[cfg(test)]

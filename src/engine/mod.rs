@@ -6,7 +6,10 @@
 //! # Data model
 //! * A **handle** is physical memory created by the driver. It is either mapped whole at one
 //!   address (recorded in `mapped`), or owned and unmapped (`unmapped`), or — only after a
-//!   failed rollback — mapped without access (`quarantine`).
+//!   failed rollback — mapped without access (`quarantine`). A handle stitched away from
+//!   memory that device work queued on the freeing stream may still use also keeps its old
+//!   mapping for a while (a **ghost**, in `ghosts`): unmapped once an event recorded at the
+//!   stitch completes, so the CPU never waits for the device to stitch.
 //! * A **block** is a piece of mapped memory: live (handed out), free (in a free list), or
 //!   pending (freed, waiting for events of several streams). Blocks of one contiguously
 //!   mapped run are linked in address order (`prev`/`next`); two neighbours that are both
@@ -98,6 +101,20 @@ struct HandleRec {
     size: u64,
     /// Where it is mapped, if anywhere.
     at: Option<u64>,
+    /// Old mappings of it still in `ghosts`; it may be released only at 0.
+    ghosts: u32,
+}
+
+/// An old mapping of a handle that stitching moved while work queued on the freeing stream
+/// could still use it. Its address range stays taken (not free in `va`, not in `mapped`)
+/// until it is unmapped, after `event` completes (`None`: no work can touch it; unmap at
+/// the next chance).
+#[derive(Debug)]
+struct Ghost {
+    addr: u64,
+    size: u64,
+    hid: u32,
+    event: Option<EventId>,
 }
 
 #[derive(Debug)]
@@ -111,9 +128,12 @@ struct PendingFree {
 struct Cand {
     hid: u32,
     size: u64,
-    /// The clean free block containing it, or `NIL` when unmapped.
+    /// The free block containing it, or `NIL` when unmapped.
     block: u32,
     addr: u64,
+    /// The block's owner: 0 (clean) or the requesting stream's owner (dirty: moved by
+    /// aliasing, see `Ghost`).
+    owner: u16,
 }
 
 /// Result of an attempt to get more memory for a pool.
@@ -250,6 +270,10 @@ pub(crate) struct Engine {
     unmapped: Vec<u32>,
     /// Handles left mapped without access after a failed rollback.
     quarantine: Vec<u32>,
+    /// Old mappings of stitched handles waiting for the device (see `Ghost`).
+    ghosts: Vec<Ghost>,
+    /// Sum of the ghosts' sizes.
+    ghost_bytes: u64,
     va: VaSpace,
     pub(crate) stats: Stats,
     pub(crate) shut_down: bool,
@@ -257,6 +281,14 @@ pub(crate) struct Engine {
 
 fn round_up(v: u64, to: u64) -> u64 {
     v.div_ceil(to) * to
+}
+
+/// The owner index of a free block's state.
+fn state_owner(s: State) -> usize {
+    match s {
+        State::Free { owner, .. } => owner as usize,
+        _ => unreachable!("owner of a block that is not free"),
+    }
 }
 
 impl Engine {
@@ -280,6 +312,8 @@ impl Engine {
             mapped: BTreeMap::new(),
             unmapped: Vec::new(),
             quarantine: Vec::new(),
+            ghosts: Vec::new(),
+            ghost_bytes: 0,
             va: VaSpace::default(),
             stats: Stats::default(),
             shut_down: false,
@@ -353,6 +387,7 @@ impl Engine {
             handle,
             size,
             at: None,
+            ghosts: 0,
         });
         self.stats.reserved.add(size);
         self.stats.handles += 1;
@@ -575,16 +610,20 @@ impl Engine {
     }
 
     /// Merge free block `i` (not in any list) with same-owner free neighbours, then list it.
+    /// A dirty block also absorbs clean neighbours: memory any stream may use can always be
+    /// restricted to one stream until its next fence, and the freeing stream then finds one
+    /// contiguous free range instead of pieces split by ownership.
     fn coalesce_insert(&mut self, mut i: u32) {
         let State::Free { owner, mut seq } = self.blocks[i as usize].state else {
             unreachable!("coalesce of a block that is not free")
         };
+        let joins = |o: u16| o == owner || (owner != 0 && o == 0);
         let pool = self.blocks[i as usize].pool as usize;
         let prev = self.blocks[i as usize].prev;
         if prev != NIL {
             if let State::Free { owner: po, seq: ps } = self.blocks[prev as usize].state {
-                if po == owner {
-                    self.bins[owner as usize][pool].remove(&mut self.blocks, prev);
+                if joins(po) {
+                    self.bins[po as usize][pool].remove(&mut self.blocks, prev);
                     seq = seq.max(ps);
                     let (size, next) = {
                         let b = &self.blocks[i as usize];
@@ -604,8 +643,8 @@ impl Engine {
         let next = self.blocks[i as usize].next;
         if next != NIL {
             if let State::Free { owner: no, seq: ns } = self.blocks[next as usize].state {
-                if no == owner {
-                    self.bins[owner as usize][pool].remove(&mut self.blocks, next);
+                if joins(no) {
+                    self.bins[no as usize][pool].remove(&mut self.blocks, next);
                     seq = seq.max(ns);
                     let (size, nn) = {
                         let n = &self.blocks[next as usize];
@@ -697,14 +736,14 @@ impl Engine {
         };
         let mut grown = match fits {
             Some(_) => Grow::Done,
-            None => self.grow(d, pool, rsize)?,
+            None => self.grow(d, pool, rsize, stream)?,
         };
         if grown != Grow::Done {
             // Block until every outstanding free is usable, then try once more.
             self.poll(d, true)?;
             grown = match self.find_exhaustive(rsize, pool, stream) {
                 Some(_) => Grow::Done,
-                None => self.grow(d, pool, rsize)?,
+                None => self.grow(d, pool, rsize, stream)?,
             };
         }
         if grown != Grow::Done {
@@ -908,6 +947,9 @@ impl Engine {
         for k in 1..self.owners.len() {
             self.poll_owner(d, k, wait)?;
         }
+        if !self.ghosts.is_empty() {
+            self.poll_ghosts(d, wait)?;
+        }
         self.poll_pending(d, wait)
     }
 
@@ -981,16 +1023,26 @@ impl Engine {
 
     // ----- growing -----
 
-    /// Whole handles that hold no live byte and are clean: inside clean free blocks, or unmapped.
-    fn free_handles(&self) -> Vec<Cand> {
+    /// Whole handles that hold no live byte and are clean: inside clean free blocks, or
+    /// unmapped; with `dirty_for`, also those inside free blocks that stream freed and the
+    /// device may still be using (movable by aliasing only, see `Ghost`).
+    fn free_handles(&self, dirty_for: Option<Stream>) -> Vec<Cand> {
         let mut list = Vec::new();
         for p in 0..POOLS {
             self.bins[0][p].collect(&self.blocks, &mut list);
+        }
+        if let Some(k) = dirty_for.and_then(|s| self.owner_index(s)) {
+            for p in 0..POOLS {
+                self.bins[k][p].collect(&self.blocks, &mut list);
+            }
         }
         let mut out = Vec::new();
         for i in list {
             let b = &self.blocks[i as usize];
             let end = b.addr + b.size;
+            let State::Free { owner, .. } = b.state else {
+                unreachable!("listed block is not free")
+            };
             for (&ha, &hid) in self.mapped.range(b.addr..end) {
                 let size = self.hsize(hid);
                 if ha + size <= end {
@@ -999,6 +1051,7 @@ impl Engine {
                         size,
                         block: i,
                         addr: ha,
+                        owner,
                     });
                 }
             }
@@ -1009,15 +1062,22 @@ impl Engine {
                 size: self.hsize(hid),
                 block: NIL,
                 addr: 0,
+                owner: 0,
             });
         }
         out
     }
 
-    fn grow<D: Driver + ?Sized>(&mut self, d: &D, pool: Pool, rsize: u64) -> Result<Grow> {
+    fn grow<D: Driver + ?Sized>(
+        &mut self,
+        d: &D,
+        pool: Pool,
+        rsize: u64,
+        stream: Stream,
+    ) -> Result<Grow> {
         match pool {
             Pool::Small | Pool::Medium => self.grow_paged(d, pool, rsize),
-            Pool::Large if self.cfg.stitching => self.stitch(d, rsize),
+            Pool::Large if self.cfg.stitching => self.stitch(d, rsize, stream),
             Pool::Large => self.grow_plain(d, rsize),
         }
     }
@@ -1026,9 +1086,20 @@ impl Engine {
         self.cfg.capacity - self.stats.reserved.current
     }
 
-    /// Pick free handles to cover `need` bytes: unmapped ones first (no unmap needed), then
-    /// the one that covers the remainder most tightly, else the largest, repeatedly.
-    fn choose(mut cands: Vec<Cand>, need: u64) -> Vec<Cand> {
+    /// Pick free handles to cover `need` bytes: clean ones before dirty ones (which leave a
+    /// ghost behind); among each, unmapped ones first (no unmap needed), then the one that
+    /// covers the remainder most tightly, else the largest, repeatedly.
+    fn choose(cands: Vec<Cand>, need: u64) -> Vec<Cand> {
+        let (clean, dirty): (Vec<Cand>, Vec<Cand>) = cands.into_iter().partition(|c| c.owner == 0);
+        let mut chosen = Self::choose_among(clean, need);
+        let taken: u64 = chosen.iter().map(|c| c.size).sum();
+        if taken < need {
+            chosen.extend(Self::choose_among(dirty, need - taken));
+        }
+        chosen
+    }
+
+    fn choose_among(mut cands: Vec<Cand>, need: u64) -> Vec<Cand> {
         cands.sort_by_key(|c| (c.block != NIL, std::cmp::Reverse(c.size)));
         let mut chosen = Vec::new();
         let mut left = need;
@@ -1050,10 +1121,10 @@ impl Engine {
 
     /// Large-pool growth with stitching: remap free handles into one new span, creating
     /// only the shortfall.
-    fn stitch<D: Driver + ?Sized>(&mut self, d: &D, rsize: u64) -> Result<Grow> {
+    fn stitch<D: Driver + ?Sized>(&mut self, d: &D, rsize: u64, stream: Stream) -> Result<Grow> {
         let g = self.cfg.granularity;
         let need = round_up(rsize, g);
-        let cands = self.free_handles();
+        let cands = self.free_handles(Some(stream));
         let free_total: u64 = cands.iter().map(|c| c.size).sum();
         let headroom = self.headroom();
         if self.may_create(rsize) {
@@ -1149,7 +1220,7 @@ impl Engine {
         let g = self.cfg.granularity;
         let need = round_up(rsize, g);
         if self.headroom() < need {
-            let cands = self.free_handles();
+            let cands = self.free_handles(None);
             let free_total: u64 = cands.iter().map(|c| c.size).sum();
             if free_total + self.headroom() < need {
                 return Ok(Grow::Short);
@@ -1171,7 +1242,7 @@ impl Engine {
             _ => self.cfg.medium_page,
         };
         let g = self.cfg.granularity;
-        let cands = self.free_handles();
+        let cands = self.free_handles(None);
         let fits = |c: &&Cand| c.size >= rsize;
         if let Some(c) = cands
             .iter()
@@ -1231,28 +1302,28 @@ impl Engine {
         tracing::debug!(size = c.size, ?pool, "free handle reused as a page");
     }
 
-    /// Cut the handle at `[haddr, haddr+hsize)` out of clean free block `b`, which contains
-    /// it. Returns a new standalone clean free block covering exactly the handle, in no list;
-    /// the pieces of `b` around it stay listed (`b` keeps the piece below, if any).
+    /// Cut the handle at `[haddr, haddr+hsize)` out of free block `b`, which contains it.
+    /// Returns a new standalone free block (same owner) covering exactly the handle, in no
+    /// list; the pieces of `b` around it stay listed (`b` keeps the piece below, if any).
     fn carve(&mut self, b: u32, haddr: u64, hsize: u64) -> u32 {
-        let (addr, size, prev, next, pool) = {
+        let (addr, size, prev, next, pool, state) = {
             let x = &self.blocks[b as usize];
-            (x.addr, x.size, x.prev, x.next, x.pool)
+            (x.addr, x.size, x.prev, x.next, x.pool, x.state)
         };
-        debug_assert!(matches!(
-            self.blocks[b as usize].state,
-            State::Free { owner: 0, .. }
-        ));
+        let State::Free { owner, .. } = state else {
+            unreachable!("carve of a block that is not free")
+        };
+        let o = owner as usize;
         debug_assert!(addr <= haddr && haddr + hsize <= addr + size);
-        self.bins[0][pool as usize].remove(&mut self.blocks, b);
+        self.bins[o][pool as usize].remove(&mut self.blocks, b);
         let below = haddr - addr;
         let above = addr + size - (haddr + hsize);
-        let clean = State::Free { owner: 0, seq: 0 };
+        let clean = state;
         let m = if below > 0 {
             let x = &mut self.blocks[b as usize];
             x.size = below;
             x.next = NIL;
-            self.bins[0][pool as usize].insert(&mut self.blocks, b);
+            self.bins[o][pool as usize].insert(&mut self.blocks, b);
             self.new_block(Block {
                 addr: haddr,
                 size: hsize,
@@ -1287,7 +1358,7 @@ impl Engine {
             if next != NIL {
                 self.blocks[next as usize].prev = r;
             }
-            self.bins[0][pool as usize].insert(&mut self.blocks, r);
+            self.bins[o][pool as usize].insert(&mut self.blocks, r);
         } else if next != NIL {
             self.blocks[next as usize].prev = NIL;
         }
@@ -1321,8 +1392,13 @@ impl Engine {
         chosen.sort_by_key(|c| (c.block != NIL, c.block, std::cmp::Reverse(c.addr)));
     }
 
-    /// Unmap (if mapped) and release the given free handles.
+    /// Unmap (if mapped) and release the given free handles. Old mappings of them (ghosts)
+    /// are waited for and unmapped first: a mapped handle cannot be released.
     fn release_cands<D: Driver + ?Sized>(&mut self, d: &D, mut chosen: Vec<Cand>) -> Result<u64> {
+        if chosen.iter().any(|c| self.hrec(c.hid).ghosts > 0) {
+            self.poll_ghosts(d, true)?;
+            chosen.retain(|c| self.hrec(c.hid).ghosts == 0);
+        }
         Self::carve_order(&mut chosen);
         let mut released = 0;
         for c in chosen {
@@ -1385,20 +1461,46 @@ impl Engine {
                 }
             }
         }
-        // 2. Unmap the chosen handles from wherever they sit.
+        // 2. Unmap the chosen clean handles from wherever they sit. Dirty ones (freed on the
+        //    requesting stream, maybe still in use by work queued there) stay mapped where
+        //    they are until an event recorded now completes: they are mapped at the new
+        //    address too, and later work on that stream is ordered after the old work.
+        let dirty = chosen.iter().find(|c| c.owner != 0).map(|c| c.owner);
+        let ghost_event = match dirty {
+            Some(k) => {
+                let s = self.owners[k as usize].stream;
+                match self.drv(DriverOp::RecordEvent, || d.record_event(s)) {
+                    Ok(e) => Some(e),
+                    Err(e) => {
+                        self.unmapped.extend(fresh);
+                        return Err(e.into());
+                    }
+                }
+            }
+            None => None,
+        };
         Self::carve_order(&mut chosen);
         let moved = chosen.iter().filter(|c| c.block != NIL).count() as u64;
         let mut hids = Vec::with_capacity(chosen.len() + fresh.len());
+        // Dirty handles carved out of their blocks: (standalone block, candidate).
+        let mut aliased: Vec<(u32, Cand)> = Vec::new();
         for c in chosen {
             if c.block == NIL {
                 self.unmapped.retain(|&h| h != c.hid);
+            } else if c.owner != 0 {
+                let m = self.carve(c.block, c.addr, c.size);
+                aliased.push((m, c));
             } else if let Err(e) = self.detach(d, c) {
+                self.unalias(d, aliased, ghost_event);
                 self.unmapped.extend(hids);
                 self.unmapped.extend(fresh);
                 return Err(e.into());
             }
-            hids.push(c.hid);
+            if c.owner == 0 {
+                hids.push(c.hid);
+            }
         }
+        hids.extend(aliased.iter().map(|(_, c)| c.hid));
         hids.extend(fresh);
         // 3. Map them side by side in fresh address space (or right after the block being
         //    extended), then grant access once.
@@ -1421,32 +1523,64 @@ impl Engine {
                 p == x.addr + x.size
             })
         });
+        let is_aliased = |hid: u32, al: &[(u32, Cand)]| al.iter().any(|(_, c)| c.hid == hid);
         let base = match placed {
             Ok(b) => b,
             Err(e) => {
-                self.unmapped.extend(hids);
+                let plain: Vec<u32> = hids
+                    .iter()
+                    .copied()
+                    .filter(|&h| !is_aliased(h, &aliased))
+                    .collect();
+                self.unalias(d, aliased, ghost_event);
+                self.unmapped.extend(plain);
                 return Err(e);
             }
         };
         let mut off = 0;
         let mut done = Vec::with_capacity(hids.len());
+        let mut failed = None;
         for &hid in &hids {
             let (h, size) = (self.hrec(hid).handle, self.hsize(hid));
             if let Err(e) = self.drv(DriverOp::Map, || d.map(base + off, size, h)) {
-                self.rollback_span(d, base, total, &done);
-                self.unmapped
-                    .extend(hids.iter().filter(|h| !self.quarantine.contains(h)));
-                return Err(e.into());
+                failed = Some(e);
+                break;
             }
             done.push((base + off, hid));
             off += size;
         }
-        if let Err(e) = self.drv(DriverOp::SetAccess, || d.set_access(base, total)) {
-            self.rollback_span(d, base, total, &done);
-            self.unmapped
-                .extend(hids.iter().filter(|h| !self.quarantine.contains(h)));
+        if failed.is_none() {
+            if let Err(e) = self.drv(DriverOp::SetAccess, || d.set_access(base, total)) {
+                failed = Some(e);
+            }
+        }
+        if let Some(e) = failed {
+            let aliased_hids: Vec<u32> = aliased.iter().map(|(_, c)| c.hid).collect();
+            self.rollback_span(d, base, total, &done, &aliased_hids);
+            self.unmapped.extend(
+                hids.iter()
+                    .filter(|&&h| !self.quarantine.contains(&h) && !aliased_hids.contains(&h)),
+            );
+            self.unalias(d, aliased, ghost_event);
             return Err(e.into());
         }
+        // The dirty handles' old mappings become ghosts.
+        let mut aliased_bytes = 0;
+        for (m, c) in &aliased {
+            self.vacate(*m);
+            self.mapped.remove(&c.addr);
+            self.stats.mapped.sub(c.size);
+            self.handles[c.hid as usize].as_mut().expect("handle").ghosts += 1;
+            self.ghosts.push(Ghost {
+                addr: c.addr,
+                size: c.size,
+                hid: c.hid,
+                event: ghost_event,
+            });
+            self.ghost_bytes += c.size;
+            aliased_bytes += c.size;
+        }
+        self.stats.aliased_handles += aliased.len() as u64;
         for (addr, hid) in done {
             self.mapped.insert(addr, hid);
             self.handles[hid as usize].as_mut().expect("handle").at = Some(addr);
@@ -1457,13 +1591,22 @@ impl Engine {
             self.stats.stitched_handles += moved;
             tracing::debug!(moved, total, "stitched free handles into a new span");
         }
+        // Memory the device may still use is usable by the freeing stream only, until a fence.
+        let state = match dirty {
+            Some(k) if aliased_bytes > 0 => State::Free {
+                owner: k,
+                seq: self.owners[k as usize].free_seq,
+            },
+            _ => State::Free { owner: 0, seq: 0 },
+        };
         match extend {
             Some(b) => {
                 // `b` is still a clean free block ending its run (carving only ever removes
                 // handles that lie wholly inside other blocks, or splits off pieces below).
                 self.bins[0][pool as usize].remove(&mut self.blocks, b);
                 self.blocks[b as usize].size += total;
-                self.bins[0][pool as usize].insert(&mut self.blocks, b);
+                self.blocks[b as usize].state = state;
+                self.coalesce_insert(b);
                 self.stats.extensions += 1;
             }
             None => {
@@ -1475,9 +1618,9 @@ impl Engine {
                     fprev: NIL,
                     fnext: NIL,
                     pool,
-                    state: State::Free { owner: 0, seq: 0 },
+                    state,
                 });
-                self.bins[0][pool as usize].insert(&mut self.blocks, i);
+                self.bins[state_owner(state)][pool as usize].insert(&mut self.blocks, i);
             }
         }
         Ok(Grow::Done)
@@ -1485,17 +1628,37 @@ impl Engine {
 
     /// Undo the maps of a span that failed to build; give back its address space. A handle
     /// whose unmap fails too is quarantined (mapped, no access) and retried later.
+    ///
+    /// `aliased` handles are still mapped at their old address too: a failed unmap of their
+    /// new mapping leaves a ghost with no work behind it, retried at the next slow path.
     fn rollback_span<D: Driver + ?Sized>(
         &mut self,
         d: &D,
         base: u64,
         total: u64,
         done: &[(u64, u32)],
+        aliased: &[u32],
     ) {
         let mut cursor = base;
         for &(addr, hid) in done {
             let size = self.hsize(hid);
             if self.drv(DriverOp::Unmap, || d.unmap(addr, size)).is_err() {
+                if aliased.contains(&hid) {
+                    tracing::error!(addr, size, "rollback unmap of an alias failed; retried later");
+                    self.handles[hid as usize].as_mut().expect("handle").ghosts += 1;
+                    self.ghosts.push(Ghost {
+                        addr,
+                        size,
+                        hid,
+                        event: None,
+                    });
+                    self.ghost_bytes += size;
+                    if addr > cursor {
+                        self.va.free(cursor, addr - cursor);
+                    }
+                    cursor = addr + size;
+                    continue;
+                }
                 tracing::error!(addr, size, "rollback unmap failed; handle quarantined");
                 self.handles[hid as usize].as_mut().expect("handle").at = Some(addr);
                 self.quarantine.push(hid);
@@ -1510,6 +1673,74 @@ impl Engine {
         }
     }
 
+    /// Undo the carving of dirty candidates after a failed build: each is still mapped where
+    /// it was, and goes back to its owner's free list as a standalone block.
+    fn unalias<D: Driver + ?Sized>(
+        &mut self,
+        d: &D,
+        aliased: Vec<(u32, Cand)>,
+        event: Option<EventId>,
+    ) {
+        for (m, _) in aliased {
+            let o = state_owner(self.blocks[m as usize].state);
+            let pool = self.blocks[m as usize].pool as usize;
+            self.bins[o][pool].insert(&mut self.blocks, m);
+        }
+        if let Some(e) = event {
+            self.destroy_event(d, e);
+        }
+    }
+
+    /// Unmap the ghosts whose work has completed (all of them, waiting, with `wait`).
+    fn poll_ghosts<D: Driver + ?Sized>(&mut self, d: &D, wait: bool) -> Result<()> {
+        let mut events: Vec<Option<EventId>> = Vec::new();
+        for g in &self.ghosts {
+            if !events.contains(&g.event) {
+                events.push(g.event);
+            }
+        }
+        for ev in events {
+            if let Some(e) = ev {
+                let done = if wait {
+                    self.drv(DriverOp::WaitEvent, || d.wait_event(e))?;
+                    self.stats.event_waits += 1;
+                    true
+                } else {
+                    self.drv(DriverOp::QueryEvent, || d.query_event(e))?
+                };
+                if !done {
+                    continue;
+                }
+            }
+            let mut left = false;
+            let mut j = 0;
+            while j < self.ghosts.len() {
+                if self.ghosts[j].event != ev {
+                    j += 1;
+                    continue;
+                }
+                let (addr, size, hid) = {
+                    let g = &self.ghosts[j];
+                    (g.addr, g.size, g.hid)
+                };
+                if self.drv(DriverOp::Unmap, || d.unmap(addr, size)).is_err() {
+                    tracing::warn!(addr, size, "unmapping an old mapping failed; retried later");
+                    left = true;
+                    j += 1;
+                    continue;
+                }
+                self.ghosts.swap_remove(j);
+                self.ghost_bytes -= size;
+                self.handles[hid as usize].as_mut().expect("handle").ghosts -= 1;
+                self.va.free(addr, size);
+            }
+            if let (Some(e), false) = (ev, left) {
+                self.destroy_event(d, e);
+            }
+        }
+        Ok(())
+    }
+
     // ----- maintenance -----
 
     /// Release every free handle (and retry quarantined ones). Returns bytes released.
@@ -1519,7 +1750,7 @@ impl Engine {
         }
         self.poll(d, false)?;
         self.retry_quarantine(d);
-        let cands = self.free_handles();
+        let cands = self.free_handles(None);
         let released = self.release_cands(d, cands)?;
         tracing::debug!(released, "empty_cache");
         Ok(released)
@@ -1561,6 +1792,18 @@ impl Engine {
         }
         self.retry_zombies(d);
         self.retry_quarantine(d);
+        if !self.ghosts.is_empty() {
+            // Unmaps that failed in the poll above: one more try, then give up on them.
+            if let Err(e) = self.poll_ghosts(d, true) {
+                tracing::error!(%e, "unmapping old mappings failed during teardown");
+            }
+            let mut evs: Vec<EventId> = self.ghosts.iter().filter_map(|g| g.event).collect();
+            evs.sort_by_key(|e| e.0);
+            evs.dedup();
+            for e in evs {
+                self.destroy_event(d, e);
+            }
+        }
         for (addr, hid) in std::mem::take(&mut self.mapped) {
             let size = self.hsize(hid);
             match self.drv(DriverOp::Unmap, || d.unmap(addr, size)) {
@@ -1966,6 +2209,41 @@ impl Engine {
             }
         }
         let quarantined: u64 = self.quarantine.iter().map(|&h| self.hsize(h)).sum();
+        let mut ghost_bytes = 0;
+        let mut ghost_counts = vec![0u32; self.handles.len()];
+        for g in &self.ghosts {
+            let h = self.handles[g.hid as usize]
+                .as_ref()
+                .ok_or_else(|| format!("ghost at {:#x} of a released handle", g.addr))?;
+            if h.size != g.size || h.at == Some(g.addr) {
+                return Err(format!("ghost at {:#x} disagrees with its handle", g.addr));
+            }
+            if !self.va.is_reserved(g.addr, g.size) || self.va.overlaps_free(g.addr, g.size) {
+                return Err(format!("ghost {:#x} is outside reserved, used address space", g.addr));
+            }
+            let next_map = self.mapped.range(g.addr..).next().map(|(&a, _)| a);
+            let prev_map = self.mapped.range(..g.addr).next_back();
+            if next_map.is_some_and(|a| a < g.addr + g.size)
+                || prev_map.is_some_and(|(&a, &h)| a + self.hsize(h) > g.addr)
+            {
+                return Err(format!("ghost {:#x} overlaps a mapping", g.addr));
+            }
+            ghost_counts[g.hid as usize] += 1;
+            ghost_bytes += g.size;
+        }
+        if ghost_bytes != self.ghost_bytes {
+            return Err(format!(
+                "ghost_bytes is {}, the ghosts sum to {ghost_bytes}",
+                self.ghost_bytes
+            ));
+        }
+        for (hid, h) in self.handles.iter().enumerate() {
+            if let Some(h) = h {
+                if h.ghosts != ghost_counts[hid] {
+                    return Err(format!("handle {hid} counts {} ghosts, has {}", h.ghosts, ghost_counts[hid]));
+                }
+            }
+        }
         if block_bytes != mapped {
             return Err(format!(
                 "blocks cover {block_bytes} bytes but {mapped} are mapped"
@@ -1975,8 +2253,8 @@ impl Engine {
             return Err("a handle is neither mapped, unmapped nor quarantined".into());
         }
         self.va.validate()?;
-        if mapped + quarantined + self.va.free_bytes() != self.va.reserved() {
-            return Err("address space: mapped + free != reserved".into());
+        if mapped + quarantined + ghost_bytes + self.va.free_bytes() != self.va.reserved() {
+            return Err("address space: mapped + ghosts + free != reserved".into());
         }
         let s = &self.stats;
         let checks = [
