@@ -29,7 +29,7 @@
  *   min_handle:N, max_handle:N  smallest / largest physical handle (default 2MiB / 128MiB)
  *   stitching:true|false        remap free handles into new spans (default true)
  *   reserve_slack:F             growth slack before free handles are reused (default 0.01)
- *   reserve_slack_min:SIZE      floor under that slack (default 256MiB)
+ *   reserve_slack_min:SIZE      floor under that slack (default 64MiB)
  *   medium_threshold:N, medium_page:N
  *                               pack requests up to N into shared pages (default off)
  *   log:off|error|warn|info|debug|trace

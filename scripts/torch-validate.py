@@ -60,7 +60,11 @@ CONFIGS = {
     },
     "stitch": {"label": "stitch-alloc", "alloc_conf": None, "stitch": True},
 }
-WORKLOADS = ("generate", "train")
+WORKLOADS = ("generate", "train", "replay")
+DEFAULT_REPLAY = ",".join(
+    os.path.join("tests", "data", n)
+    for n in ("llm-small.trace.gz", "train-small.trace", "adversarial-small.trace.gz")
+)
 DEFAULT_STITCH_CONF = "backend:cuda,log:error"
 
 
@@ -79,7 +83,8 @@ def parse_args(argv=None):
         help="comma-separated subset of: " + ", ".join(CONFIGS),
     )
     p.add_argument(
-        "--workloads", default="generate,train", help="comma-separated subset of: generate, train"
+        "--workloads", default="generate,train",
+        help="comma-separated subset of: generate, train, replay (stitch text traces through torch)"
     )
     p.add_argument("--out", default="torch-validate.json", help="JSON results file")
     p.add_argument("--lib", default=None, help="libstitch_alloc.so (default: stitch_alloc.find_library)")
@@ -102,6 +107,11 @@ def parse_args(argv=None):
     p.add_argument("--train-max-batch", type=int, default=16)
     p.add_argument("--train-max-seq", type=int, default=2046)
     p.add_argument("--no-probe", action="store_true", help="skip the largest-tensor probe")
+    p.add_argument("--replay-traces", default=DEFAULT_REPLAY,
+                   help="comma-separated stitch text traces (.gz allowed) for the replay workload: "
+                        "each event becomes torch.empty / del on the current stream")
+    p.add_argument("--replay-rounds", type=int, default=3,
+                   help="replays of each trace per process (the median time is reported)")
     p.add_argument("--repeat", type=int, default=1,
                    help="run every (allocator, workload) this many times, interleaved, to see "
                         "the run-to-run spread of throughput (vs dflt uses default's median)")
@@ -179,6 +189,8 @@ def child_args(a, config, workload, result):
         "--train-hidden", str(a.train_hidden),
         "--train-max-batch", str(a.train_max_batch),
         "--train-max-seq", str(a.train_max_seq),
+        "--replay-traces", a.replay_traces,
+        "--replay-rounds", str(a.replay_rounds),
     ]
     if a.lib:
         keep += ["--lib", a.lib]
@@ -207,6 +219,10 @@ def child_env(a, config):
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
     return env
 
+
+# Throughput of each workload: (result key, unit).
+TPUT = {"generate": ("tokens_per_s", "tok/s"), "train": ("steps_per_s", "steps/s"),
+        "replay": ("events_per_s", "ev/s")}
 
 # ---------------------------------------------------------------------------------------
 # The child: one allocator, one workload.
@@ -326,6 +342,65 @@ def run_train(torch, a):
     }
 
 
+def read_text_trace(path):
+    """(op, id, bytes) tuples of a stitch text trace; streams are ignored (torch replays on
+    its current stream)."""
+    import gzip
+
+    opener = gzip.open if path.endswith(".gz") else open
+    ops = []
+    with opener(path, "rt") as f:
+        for line in f:
+            parts = line.split()
+            if not parts or parts[0].startswith("#"):
+                continue
+            if parts[0] == "a":
+                ops.append((True, int(parts[1]), int(parts[2])))
+            elif parts[0] == "f":
+                ops.append((False, int(parts[1]), 0))
+            else:
+                raise ValueError(f"{path}: unknown action {parts[0]!r}")
+    return ops
+
+
+def run_replay(torch, a):
+    """Every trace event as torch.empty(bytes, uint8) / del, timed (median of rounds)."""
+    traces = []
+    total_events, total_secs = 0, 0.0
+    for path in [t for t in a.replay_traces.split(",") if t]:
+        full = path if os.path.isabs(path) else os.path.join(REPO, path)
+        ops = read_text_trace(full)
+        times, failed = [], 0
+        for _ in range(max(1, a.replay_rounds)):
+            live = {}
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for is_alloc, i, n in ops:
+                if is_alloc:
+                    try:
+                        live[i] = torch.empty(n, dtype=torch.uint8, device="cuda")
+                    except (torch.cuda.OutOfMemoryError, RuntimeError):
+                        failed += 1
+                else:
+                    live.pop(i, None)
+            live.clear()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        secs = median(times)
+        traces.append({"trace": path, "events": len(ops), "seconds": secs, "rounds": times,
+                       "events_per_s": len(ops) / secs if secs > 0 else 0.0,
+                       "failed_allocs": failed})
+        total_events += len(ops)
+        total_secs += secs
+    return {
+        "traces": traces,
+        "events": total_events,
+        "seconds": total_secs,
+        "events_per_s": total_events / total_secs if total_secs > 0 else 0.0,
+        "_keep": None,
+    }
+
+
 def memory_figures(torch, stitch):
     """Peaks over the whole process, and the current state."""
     if stitch:
@@ -441,7 +516,7 @@ def child(a):
     res["allocator_backend"] = torch.cuda.get_allocator_backend()
     res["alloc_conf_env"] = os.environ.get("PYTORCH_ALLOC_CONF")
     t0 = time.perf_counter()
-    run = run_generate if a.workload == "generate" else run_train
+    run = {"generate": run_generate, "train": run_train, "replay": run_replay}[a.workload]
     r = run(torch, a)
     keep = r.pop("_keep")  # the model (and optimizer) stay alive through the probe
     torch.cuda.synchronize()
@@ -536,7 +611,7 @@ def table(results):
             f"{'largest':>8} {'/avail':>7}  status")
     lines = [head, "-" * len(head)]
     def tput(r):
-        return r["tokens_per_s"] if r["workload"] == "generate" else r["steps_per_s"]
+        return r[TPUT[r["workload"]][0]]
 
     runs = {}  # (workload, config) -> throughputs
     for r in results:
@@ -552,10 +627,8 @@ def table(results):
         note = ""
         if r["workload"] == "generate" and r.get("tokens") != r.get("tokens_expected"):
             note = f" (generated {r.get('tokens')} of {r.get('tokens_expected')} tokens)"
-        if r["workload"] == "generate":
-            tp, unit = r["tokens_per_s"], "tok/s"
-        else:
-            tp, unit = r["steps_per_s"], "steps/s"
+        key, unit = TPUT[r["workload"]]
+        tp = r[key]
         b = base.get(r["workload"])
         vs = f"{tp / b:.3f}" if b else "-"
         lines.append(

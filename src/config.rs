@@ -58,7 +58,7 @@ pub struct Config {
     /// more times its size. Past that budget, free handles are reused (stitched) first.
     /// 0 = always reuse first (lowest memory, most remapping); large = a plain cache.
     pub reserve_slack: f64,
-    /// A floor under the growth slack in bytes (default 256 MiB), so that a small working set
+    /// A floor under the growth slack in bytes (default 64 MiB), so that a small working set
     /// is not remapped on every miss to save a few megabytes.
     pub reserve_slack_min: u64,
     /// Size of each virtual address reservation (0 = four times the capacity).
@@ -81,7 +81,7 @@ impl Default for Config {
             max_handle: 128 << 20,
             stitching: true,
             reserve_slack: 0.01,
-            reserve_slack_min: 256 << 20,
+            reserve_slack_min: 64 << 20,
             va_chunk: 0,
             va_limit: 32 << 40,
             paranoid: false,

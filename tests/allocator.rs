@@ -156,6 +156,36 @@ fn stitching_never_unmaps_memory_in_use() {
 }
 
 #[test]
+fn same_stream_stitching_maps_an_alias_instead_of_waiting() {
+    let (d, a) = sim(512 * MIB);
+    let s1 = Stream(1);
+    let ptrs: Vec<_> = (0..4).map(|_| a.alloc(128 * MIB, s1).unwrap()).collect();
+    let w0 = d.launch(s1, ptrs[0].0, 128 * MIB);
+    let w2 = d.launch(s1, ptrs[2].0, 128 * MIB);
+    a.free(ptrs[0], s1).unwrap();
+    a.free(ptrs[2], s1).unwrap();
+    let maps_before = d.mapping_count();
+    // The same stream asks for both holes at once: its later work is ordered after the
+    // queued work, so the allocator maps the two handles at a new address right away and
+    // keeps the old mappings until that work is done. No wait, no new memory.
+    let big = a.alloc(256 * MIB, s1).unwrap();
+    assert!(!d.work_done(w0) && !d.work_done(w2), "the CPU did not wait");
+    let st = a.stats();
+    assert_eq!(st.event_waits, 0);
+    assert_eq!(st.aliased_handles, 2);
+    assert_eq!(st.reserved.current, 512 * MIB);
+    assert_eq!(d.mapping_count(), maps_before + 2, "old mappings kept");
+    // Once the device is done, the next slow path removes the old mappings.
+    d.complete(s1, None);
+    a.empty_cache().unwrap();
+    assert_eq!(d.mapping_count(), maps_before);
+    a.validate().unwrap();
+    a.free(big, s1).unwrap();
+    a.free(ptrs[1], s1).unwrap();
+    a.free(ptrs[3], s1).unwrap();
+}
+
+#[test]
 fn record_stream_delays_reuse_until_both_streams_finish() {
     let (d, a) = sim(GIB);
     let (s1, s2) = (Stream(1), Stream(2));

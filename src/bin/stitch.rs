@@ -98,7 +98,7 @@ struct AllocArgs {
     /// reuse (stitch) free handles past it (default 0.01).
     #[arg(long)]
     reserve_slack: Option<f64>,
-    /// Floor under the growth slack, in bytes (default 256 MiB).
+    /// Floor under the growth slack, in bytes (default 64 MiB).
     #[arg(long, value_parser = parse_bytes)]
     reserve_slack_min: Option<u64>,
     /// Check every allocator invariant after each operation (slow).

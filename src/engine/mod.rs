@@ -619,46 +619,57 @@ impl Engine {
         };
         let joins = |o: u16| o == owner || (owner != 0 && o == 0);
         let pool = self.blocks[i as usize].pool as usize;
-        let prev = self.blocks[i as usize].prev;
-        if prev != NIL {
-            if let State::Free { owner: po, seq: ps } = self.blocks[prev as usize].state {
-                if joins(po) {
-                    self.bins[po as usize][pool].remove(&mut self.blocks, prev);
-                    seq = seq.max(ps);
-                    let (size, next) = {
-                        let b = &self.blocks[i as usize];
-                        (b.size, b.next)
-                    };
-                    let p = &mut self.blocks[prev as usize];
-                    p.size += size;
-                    p.next = next;
-                    if next != NIL {
-                        self.blocks[next as usize].prev = prev;
-                    }
-                    self.vacate(i);
-                    i = prev;
-                }
+        // Absorbing a clean neighbour can bring a same-owner block next: go on merging.
+        loop {
+            let prev = self.blocks[i as usize].prev;
+            if prev == NIL {
+                break;
             }
+            let State::Free { owner: po, seq: ps } = self.blocks[prev as usize].state else {
+                break;
+            };
+            if !joins(po) {
+                break;
+            }
+            self.bins[po as usize][pool].remove(&mut self.blocks, prev);
+            seq = seq.max(ps);
+            let (size, next) = {
+                let b = &self.blocks[i as usize];
+                (b.size, b.next)
+            };
+            let p = &mut self.blocks[prev as usize];
+            p.size += size;
+            p.next = next;
+            if next != NIL {
+                self.blocks[next as usize].prev = prev;
+            }
+            self.vacate(i);
+            i = prev;
         }
-        let next = self.blocks[i as usize].next;
-        if next != NIL {
-            if let State::Free { owner: no, seq: ns } = self.blocks[next as usize].state {
-                if joins(no) {
-                    self.bins[no as usize][pool].remove(&mut self.blocks, next);
-                    seq = seq.max(ns);
-                    let (size, nn) = {
-                        let n = &self.blocks[next as usize];
-                        (n.size, n.next)
-                    };
-                    let b = &mut self.blocks[i as usize];
-                    b.size += size;
-                    b.next = nn;
-                    if nn != NIL {
-                        self.blocks[nn as usize].prev = i;
-                    }
-                    self.vacate(next);
-                }
+        loop {
+            let next = self.blocks[i as usize].next;
+            if next == NIL {
+                break;
             }
+            let State::Free { owner: no, seq: ns } = self.blocks[next as usize].state else {
+                break;
+            };
+            if !joins(no) {
+                break;
+            }
+            self.bins[no as usize][pool].remove(&mut self.blocks, next);
+            seq = seq.max(ns);
+            let (size, nn) = {
+                let n = &self.blocks[next as usize];
+                (n.size, n.next)
+            };
+            let b = &mut self.blocks[i as usize];
+            b.size += size;
+            b.next = nn;
+            if nn != NIL {
+                self.blocks[nn as usize].prev = i;
+            }
+            self.vacate(next);
         }
         self.blocks[i as usize].state = State::Free { owner, seq };
         self.bins[owner as usize][pool].insert(&mut self.blocks, i);
@@ -1570,7 +1581,10 @@ impl Engine {
             self.vacate(*m);
             self.mapped.remove(&c.addr);
             self.stats.mapped.sub(c.size);
-            self.handles[c.hid as usize].as_mut().expect("handle").ghosts += 1;
+            self.handles[c.hid as usize]
+                .as_mut()
+                .expect("handle")
+                .ghosts += 1;
             self.ghosts.push(Ghost {
                 addr: c.addr,
                 size: c.size,
@@ -1644,7 +1658,11 @@ impl Engine {
             let size = self.hsize(hid);
             if self.drv(DriverOp::Unmap, || d.unmap(addr, size)).is_err() {
                 if aliased.contains(&hid) {
-                    tracing::error!(addr, size, "rollback unmap of an alias failed; retried later");
+                    tracing::error!(
+                        addr,
+                        size,
+                        "rollback unmap of an alias failed; retried later"
+                    );
                     self.handles[hid as usize].as_mut().expect("handle").ghosts += 1;
                     self.ghosts.push(Ghost {
                         addr,
@@ -2219,7 +2237,10 @@ impl Engine {
                 return Err(format!("ghost at {:#x} disagrees with its handle", g.addr));
             }
             if !self.va.is_reserved(g.addr, g.size) || self.va.overlaps_free(g.addr, g.size) {
-                return Err(format!("ghost {:#x} is outside reserved, used address space", g.addr));
+                return Err(format!(
+                    "ghost {:#x} is outside reserved, used address space",
+                    g.addr
+                ));
             }
             let next_map = self.mapped.range(g.addr..).next().map(|(&a, _)| a);
             let prev_map = self.mapped.range(..g.addr).next_back();
@@ -2240,7 +2261,10 @@ impl Engine {
         for (hid, h) in self.handles.iter().enumerate() {
             if let Some(h) = h {
                 if h.ghosts != ghost_counts[hid] {
-                    return Err(format!("handle {hid} counts {} ghosts, has {}", h.ghosts, ghost_counts[hid]));
+                    return Err(format!(
+                        "handle {hid} counts {} ghosts, has {}",
+                        h.ghosts, ghost_counts[hid]
+                    ));
                 }
             }
         }
