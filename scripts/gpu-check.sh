@@ -133,6 +133,9 @@ run() {
 
     local rows=() any_fail=0 kind name rc p f s secs t0 log tmo=()
     [ -n "${GPU_TIMEOUT:-}" ] && tmo=(timeout "$GPU_TIMEOUT")
+    # The CLI tests run the bundled binary, not the build machine's target/ path.
+    STITCH_BIN="$(cd "$dir" && pwd)/bin/stitch"
+    export STITCH_BIN
     while IFS=$'\t' read -r kind name; do
         [ "$kind" = test ] || continue
         if [ -n "${GPU_TESTS:-}" ] && ! grep -qw -- "$name" <<<"$GPU_TESTS"; then

@@ -578,8 +578,12 @@ fn replay_stops_where_asked_and_counts_failures() {
 
 // ----- the command line -----
 
+/// The `stitch` binary: Cargo's, or `STITCH_BIN` where the test binary runs elsewhere (the
+/// GPU bundle of scripts/gpu-check.sh).
 fn stitch(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_stitch"))
+    let bin = std::env::var_os("STITCH_BIN")
+        .unwrap_or_else(|| std::ffi::OsString::from(env!("CARGO_BIN_EXE_stitch")));
+    Command::new(bin)
         .args(args)
         .output()
         .expect("run stitch")
