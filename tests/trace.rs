@@ -583,10 +583,7 @@ fn replay_stops_where_asked_and_counts_failures() {
 fn stitch(args: &[&str]) -> std::process::Output {
     let bin = std::env::var_os("STITCH_BIN")
         .unwrap_or_else(|| std::ffi::OsString::from(env!("CARGO_BIN_EXE_stitch")));
-    Command::new(bin)
-        .args(args)
-        .output()
-        .expect("run stitch")
+    Command::new(bin).args(args).output().expect("run stitch")
 }
 
 fn json(args: &[&str]) -> serde_json::Value {
