@@ -617,62 +617,58 @@ impl Engine {
         let State::Free { owner, mut seq } = self.blocks[i as usize].state else {
             unreachable!("coalesce of a block that is not free")
         };
-        let joins = |o: u16| o == owner || (owner != 0 && o == 0);
         let pool = self.blocks[i as usize].pool as usize;
         // Absorbing a clean neighbour can bring a same-owner block next: go on merging.
         loop {
             let prev = self.blocks[i as usize].prev;
-            if prev == NIL {
-                break;
-            }
-            let State::Free { owner: po, seq: ps } = self.blocks[prev as usize].state else {
+            let Some(ps) = self.unlist_joinable(prev, owner, pool) else {
                 break;
             };
-            if !joins(po) {
-                break;
-            }
-            self.bins[po as usize][pool].remove(&mut self.blocks, prev);
             seq = seq.max(ps);
-            let (size, next) = {
-                let b = &self.blocks[i as usize];
-                (b.size, b.next)
-            };
-            let p = &mut self.blocks[prev as usize];
-            p.size += size;
-            p.next = next;
-            if next != NIL {
-                self.blocks[next as usize].prev = prev;
-            }
-            self.vacate(i);
+            self.absorb_next(prev, i);
             i = prev;
         }
         loop {
             let next = self.blocks[i as usize].next;
-            if next == NIL {
-                break;
-            }
-            let State::Free { owner: no, seq: ns } = self.blocks[next as usize].state else {
+            let Some(ns) = self.unlist_joinable(next, owner, pool) else {
                 break;
             };
-            if !joins(no) {
-                break;
-            }
-            self.bins[no as usize][pool].remove(&mut self.blocks, next);
             seq = seq.max(ns);
-            let (size, nn) = {
-                let n = &self.blocks[next as usize];
-                (n.size, n.next)
-            };
-            let b = &mut self.blocks[i as usize];
-            b.size += size;
-            b.next = nn;
-            if nn != NIL {
-                self.blocks[nn as usize].prev = i;
-            }
-            self.vacate(next);
+            self.absorb_next(i, next);
         }
         self.blocks[i as usize].state = State::Free { owner, seq };
         self.bins[owner as usize][pool].insert(&mut self.blocks, i);
+    }
+
+    /// If block `j` is free and may merge into a free block of `owner` (same owner, or clean
+    /// into dirty), take it off its list and return its `seq`.
+    fn unlist_joinable(&mut self, j: u32, owner: u16, pool: usize) -> Option<u64> {
+        if j == NIL {
+            return None;
+        }
+        let State::Free { owner: o, seq } = self.blocks[j as usize].state else {
+            return None;
+        };
+        if o != owner && !(owner != 0 && o == 0) {
+            return None;
+        }
+        self.bins[o as usize][pool].remove(&mut self.blocks, j);
+        Some(seq)
+    }
+
+    /// Merge block `next` (unlisted, right after `i` in its run) into `i`.
+    fn absorb_next(&mut self, i: u32, next: u32) {
+        let (size, nn) = {
+            let n = &self.blocks[next as usize];
+            (n.size, n.next)
+        };
+        let b = &mut self.blocks[i as usize];
+        b.size += size;
+        b.next = nn;
+        if nn != NIL {
+            self.blocks[nn as usize].prev = i;
+        }
+        self.vacate(next);
     }
 
     /// Allocate `size` bytes for use on `stream`.
