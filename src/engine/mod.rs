@@ -974,13 +974,7 @@ impl Engine {
                     self.owners[k].fence = Some((e, self.owners[k].free_seq));
                 }
                 let (e, covered) = self.owners[k].fence.expect("fence set above");
-                let done = if wait {
-                    self.drv(DriverOp::WaitEvent, || d.wait_event(e))?;
-                    self.stats.event_waits += 1;
-                    true
-                } else {
-                    self.drv(DriverOp::QueryEvent, || d.query_event(e))?
-                };
+                let done = self.event_done(d, e, wait)?;
                 if !done {
                     break;
                 }
@@ -993,6 +987,17 @@ impl Engine {
         Ok(())
     }
 
+    /// Whether event `e` has completed; with `wait`, block until it has.
+    fn event_done<D: Driver + ?Sized>(&mut self, d: &D, e: EventId, wait: bool) -> Result<bool> {
+        if wait {
+            self.drv(DriverOp::WaitEvent, || d.wait_event(e))?;
+            self.stats.event_waits += 1;
+            Ok(true)
+        } else {
+            Ok(self.drv(DriverOp::QueryEvent, || d.query_event(e))?)
+        }
+    }
+
     /// Make clean the multi-stream frees whose events have all completed (all, with `wait`).
     fn poll_pending<D: Driver + ?Sized>(&mut self, d: &D, wait: bool) -> Result<()> {
         let mut j = 0;
@@ -1000,13 +1005,7 @@ impl Engine {
             let mut all = true;
             for idx in 0..self.pending[j].events.len() {
                 let e = self.pending[j].events[idx];
-                let done = if wait {
-                    self.drv(DriverOp::WaitEvent, || d.wait_event(e))?;
-                    self.stats.event_waits += 1;
-                    true
-                } else {
-                    self.drv(DriverOp::QueryEvent, || d.query_event(e))?
-                };
+                let done = self.event_done(d, e, wait)?;
                 if !done {
                     all = false;
                     break;
@@ -1715,13 +1714,7 @@ impl Engine {
         }
         for ev in events {
             if let Some(e) = ev {
-                let done = if wait {
-                    self.drv(DriverOp::WaitEvent, || d.wait_event(e))?;
-                    self.stats.event_waits += 1;
-                    true
-                } else {
-                    self.drv(DriverOp::QueryEvent, || d.query_event(e))?
-                };
+                let done = self.event_done(d, e, wait)?;
                 if !done {
                     continue;
                 }
