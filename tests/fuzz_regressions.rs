@@ -31,3 +31,25 @@ fn ops_host_regressions() {
         }
     }
 }
+
+/// `trace_text` inputs: each gives an error or a valid trace (trace_text-oom-1: 560 bytes of
+/// pickle whose nested references expanded to over 6 GB before the expansion check).
+#[test]
+fn trace_text_regressions() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/fuzz");
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        let name = p.file_name().unwrap().to_string_lossy().into_owned();
+        if name.starts_with("trace_text") {
+            let data = std::fs::read(&p).unwrap();
+            match stitch_alloc::trace::read_bytes(&data, Default::default()) {
+                Ok(t) => t.validate().unwrap(),
+                // A memory bomb is refused before anything is built.
+                Err(e) if name.contains("oom") => {
+                    assert!(e.to_string().contains("expand"), "{name}: {e}")
+                }
+                Err(_) => {}
+            }
+        }
+    }
+}

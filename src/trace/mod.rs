@@ -17,6 +17,7 @@
 #![forbid(unsafe_code)]
 
 pub mod gen;
+mod pickle_guard;
 pub mod pytorch;
 mod text;
 

@@ -73,6 +73,9 @@ fn as_list(v: &Value) -> Option<&[Value]> {
 /// Read a snapshot pickle (already decompressed) and convert device `device`'s trace (the
 /// first non-empty one when `None`).
 pub fn parse_snapshot(bytes: &[u8], device: Option<usize>) -> Result<Trace, TraceError> {
+    // A decoder copies an object at every reference to it: refuse reference bombs first.
+    super::pickle_guard::check_expansion(bytes)
+        .map_err(|e| TraceError::Snapshot(format!("cannot unpickle: {e}")))?;
     let value = serde_pickle::value_from_slice(
         bytes,
         DeOptions::new()
