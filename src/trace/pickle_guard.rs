@@ -188,7 +188,7 @@ impl<'a> Walk<'a> {
                     let sum = self.pop_mark()?;
                     self.push(sum.saturating_add(1))?;
                 }
-                0x85 | 0x86 | 0x87 => {
+                0x85..=0x87 => {
                     let mut sum = 1u64;
                     for _ in 0..(op - 0x84) {
                         sum = sum.saturating_add(self.pop()?);
