@@ -124,6 +124,8 @@ int stitch_empty_cache(int device);
  * allocation; the counters are then 0), "init_device_count" (the count stitch_init was
  * given, -1 before), "conf" (STITCH_ALLOC_CONF as read), "capacity",
  * "granularity", "driver_calls", "vmm_calls",
+ * "driver_time_us" (measured wall time inside driver calls, microseconds) and
+ * "driver_time_us_by_call" (the same by call kind: "create", "map", "set_access", ...),
  * "torch": PyTorch memory_stats() names: "allocated_bytes.all.current"/".peak",
  *   "requested_bytes.all.*", "reserved_bytes.all.*", "active_bytes.all.current",
  *   "allocation.all.{current,peak,allocated,freed}", "segment.all.{current,allocated,freed}",

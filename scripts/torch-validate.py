@@ -423,7 +423,8 @@ def memory_figures(torch, stitch):
     out = {k: int(m.get(k, 0)) for k in keys}
     if stitch:
         for k in ("stitches", "stitched_handles", "extensions", "stranded_bytes", "driver_calls",
-                  "vmm_calls", "capacity", "slow_allocs", "fast_allocs", "event_waits"):
+                  "vmm_calls", "capacity", "slow_allocs", "fast_allocs", "event_waits",
+                  "driver_time_us"):
             out[k] = int(m.get(k, 0))
     pa, pr, pq = (out["allocated_bytes.all.peak"], out["reserved_bytes.all.peak"],
                   out["requested_bytes.all.peak"])

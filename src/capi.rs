@@ -24,7 +24,7 @@
 
 use crate::driver::host::HOST_DEFAULT_CAPACITY;
 use crate::driver::sim::H200_CAPACITY;
-use crate::driver::{DriverOp, HostDriver, SimDriver};
+use crate::driver::{DriverOp, HostDriver, SimDriver, Timed};
 use crate::{
     AllocError, Allocator, AnyDriver, Capacity, Config, CudaDriver, DetailedStats, DevicePtr,
     Driver, Stats, Stream,
@@ -338,7 +338,9 @@ impl Backend {
     }
 }
 
-type Alloc = Allocator<AnyDriver>;
+/// Every driver call is timed (two clock reads per call, on the slow path only), so that the
+/// statistics can say how much wall time the allocator spent inside the driver.
+type Alloc = Allocator<Timed<AnyDriver>>;
 
 struct Slot {
     /// Created on first use; a failure to create is kept and reported on every later use.
@@ -448,6 +450,18 @@ impl Runtime {
             }
             None => (Stats::default(), DetailedStats::default(), 0, 0),
         };
+        // Measured wall time inside the driver, in microseconds: in all, and by call kind.
+        let mut by_call = serde_json::Map::new();
+        let mut driver_us = 0.0;
+        if let Some(a) = a {
+            for t in a.driver().timings().0 {
+                if t.calls > 0 {
+                    let us = t.measured_ns as f64 / 1e3;
+                    driver_us += us;
+                    by_call.insert(t.op.name().to_string(), json!(us));
+                }
+            }
+        }
         let mut frag = serde_json::to_value(&detailed).map_err(|e| e.to_string())?;
         if let Value::Object(m) = &mut frag {
             m.remove("stats");
@@ -463,6 +477,8 @@ impl Runtime {
             "granularity": granularity,
             "driver_calls": stats.calls.total(),
             "vmm_calls": stats.calls.vmm_total(),
+            "driver_time_us": driver_us,
+            "driver_time_us_by_call": by_call,
             "torch": torch_stats(&stats, &detailed),
             "stats": stats,
             "fragmentation": frag,
@@ -532,7 +548,8 @@ impl Ready {
             .map_err(|e| format!("device {device}: {e}"))?
             .total;
         let cfg = c.allocator_config(total, fraction);
-        let a = Allocator::new(driver, cfg).map_err(|e| format!("device {device}: {e}"))?;
+        let a =
+            Allocator::new(Timed::new(driver), cfg).map_err(|e| format!("device {device}: {e}"))?;
         tracing::info!(
             device,
             backend = self.backend.name(),
@@ -1131,6 +1148,17 @@ mod tests {
         assert!(v["fragmentation"]["stranded_bytes"].is_u64());
         assert!(v["fragmentation"].get("stats").is_none());
         assert!(v["driver_calls"].as_u64().unwrap() > 0);
+        // The host backend's create and map are real system calls: they took some time.
+        let by = &v["driver_time_us_by_call"];
+        assert!(by["create"].as_f64().unwrap() > 0.0, "{by}");
+        assert!(by["map"].as_f64().unwrap() > 0.0, "{by}");
+        let sum: f64 = by
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|x| x.as_f64().unwrap())
+            .sum();
+        assert!((v["driver_time_us"].as_f64().unwrap() - sum).abs() < 1e-6);
         a.free(p, Stream::DEFAULT).unwrap();
         assert!(rt.stats_json(9).unwrap_err().contains("out of range"));
     }

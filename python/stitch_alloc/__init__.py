@@ -290,7 +290,8 @@ def memory_stats(device=None):
     ``segment.all.*`` (physical handles), ``inactive_split_bytes.all.current``, ``num_ooms``,
     ``num_alloc_retries``, ``num_device_alloc``, ``num_device_free``), plus the allocator's
     own: ``stitches``, ``stitched_handles``, ``extensions``, ``stranded_bytes``,
-    ``driver_calls``, ``vmm_calls``, ``capacity``, ``largest_free_span``, ``free_bytes``,
+    ``driver_calls``, ``vmm_calls``, ``driver_time_us`` (wall time inside the driver),
+    ``capacity``, ``largest_free_span``, ``free_bytes``,
     ``free_handle_bytes``, ``handles``, ``fast_allocs``, ``slow_allocs``, ``event_waits``,
     ``pending_free_bytes``, ``mapped_bytes.current`` / ``.peak``.
 
@@ -308,6 +309,7 @@ def memory_stats(device=None):
             "stranded_bytes": f["stranded_bytes"],
             "driver_calls": doc["driver_calls"],
             "vmm_calls": doc["vmm_calls"],
+            "driver_time_us": int(doc.get("driver_time_us", 0)),
             "capacity": doc["capacity"],
             "largest_free_span": f["largest_free_span"],
             "free_bytes": f["free_bytes"],

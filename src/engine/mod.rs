@@ -115,6 +115,8 @@ struct Ghost {
     size: u64,
     hid: u32,
     event: Option<EventId>,
+    /// The stream the event was recorded on (events of one stream complete in order).
+    stream: Stream,
 }
 
 #[derive(Debug)]
@@ -1585,6 +1587,7 @@ impl Engine {
                 size: c.size,
                 hid: c.hid,
                 event: ghost_event,
+                stream: self.owners[c.owner as usize].stream,
             });
             self.ghost_bytes += c.size;
             aliased_bytes += c.size;
@@ -1664,6 +1667,7 @@ impl Engine {
                         size,
                         hid,
                         event: None,
+                        stream: Stream::DEFAULT,
                     });
                     self.ghost_bytes += size;
                     if addr > cursor {
@@ -1705,17 +1709,23 @@ impl Engine {
     }
 
     /// Unmap the ghosts whose work has completed (all of them, waiting, with `wait`).
+    /// Events of one stream complete in the order they were recorded (the ghosts' order),
+    /// so after the first one not done, that stream's later ones are not asked about.
     fn poll_ghosts<D: Driver + ?Sized>(&mut self, d: &D, wait: bool) -> Result<()> {
-        let mut events: Vec<Option<EventId>> = Vec::new();
+        let mut events: Vec<(Option<EventId>, Stream)> = Vec::new();
         for g in &self.ghosts {
-            if !events.contains(&g.event) {
-                events.push(g.event);
+            if !events.iter().any(|&(e, _)| e == g.event) {
+                events.push((g.event, g.stream));
             }
         }
-        for ev in events {
+        let mut behind: Vec<Stream> = Vec::new();
+        for (ev, stream) in events {
             if let Some(e) = ev {
-                let done = self.event_done(d, e, wait)?;
-                if !done {
+                if behind.contains(&stream) {
+                    continue;
+                }
+                if !self.event_done(d, e, wait)? {
+                    behind.push(stream);
                     continue;
                 }
             }
@@ -1736,7 +1746,7 @@ impl Engine {
                     j += 1;
                     continue;
                 }
-                self.ghosts.swap_remove(j);
+                self.ghosts.remove(j); // keeps the record order poll_ghosts relies on
                 self.ghost_bytes -= size;
                 self.handles[hid as usize].as_mut().expect("handle").ghosts -= 1;
                 self.va.free(addr, size);
