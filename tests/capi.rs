@@ -64,7 +64,11 @@ fn c_test() -> &'static Path {
     EXE.get_or_init(|| {
         let root = Path::new(env!("CARGO_MANIFEST_DIR"));
         let lib = cdylib_dir();
-        let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("test_capi");
+        // Cargo creates this folder on the build machine; where the test binary runs
+        // elsewhere (the GPU bundle) it may not exist yet.
+        let tmp = Path::new(env!("CARGO_TARGET_TMPDIR"));
+        std::fs::create_dir_all(tmp).expect("create the temporary folder for the C test");
+        let out = tmp.join("test_capi");
         let cc = std::env::var("CC").unwrap_or_else(|_| "cc".to_string());
         let mut cmd = Command::new(&cc);
         cmd.args([
