@@ -274,8 +274,6 @@ pub(crate) struct Engine {
     quarantine: Vec<u32>,
     /// Old mappings of stitched handles waiting for the device (see `Ghost`).
     ghosts: Vec<Ghost>,
-    /// Sum of the ghosts' sizes.
-    ghost_bytes: u64,
     va: VaSpace,
     pub(crate) stats: Stats,
     pub(crate) shut_down: bool,
@@ -315,7 +313,6 @@ impl Engine {
             unmapped: Vec::new(),
             quarantine: Vec::new(),
             ghosts: Vec::new(),
-            ghost_bytes: 0,
             va: VaSpace::default(),
             stats: Stats::default(),
             shut_down: false,
@@ -1489,8 +1486,9 @@ impl Engine {
         };
         Self::carve_order(&mut chosen);
         let moved = chosen.iter().filter(|c| c.block != NIL).count() as u64;
+        // Unmapped handles (they go back to `unmapped` if the build fails), and the dirty
+        // ones carved out of their blocks, still mapped there: (standalone block, candidate).
         let mut hids = Vec::with_capacity(chosen.len() + fresh.len());
-        // Dirty handles carved out of their blocks: (standalone block, candidate).
         let mut aliased: Vec<(u32, Cand)> = Vec::new();
         for c in chosen {
             if c.block == NIL {
@@ -1498,21 +1496,28 @@ impl Engine {
             } else if c.owner != 0 {
                 let m = self.carve(c.block, c.addr, c.size);
                 aliased.push((m, c));
+                continue;
             } else if let Err(e) = self.detach(d, c) {
                 self.unalias(d, aliased, ghost_event);
                 self.unmapped.extend(hids);
                 self.unmapped.extend(fresh);
                 return Err(e.into());
             }
-            if c.owner == 0 {
-                hids.push(c.hid);
-            }
+            hids.push(c.hid);
         }
-        hids.extend(aliased.iter().map(|(_, c)| c.hid));
+        let aliased_hids: Vec<u32> = aliased.iter().map(|(_, c)| c.hid).collect();
+        // Mapping order in the new span: moved handles (unmapped ones, then aliases), then
+        // the fresh ones.
+        let order: Vec<u32> = hids
+            .iter()
+            .chain(&aliased_hids)
+            .chain(&fresh)
+            .copied()
+            .collect();
         hids.extend(fresh);
         // 3. Map them side by side in fresh address space (or right after the block being
         //    extended), then grant access once.
-        let total: u64 = hids.iter().map(|&h| self.hsize(h)).sum();
+        let total: u64 = order.iter().map(|&h| self.hsize(h)).sum();
         let placed = match extend {
             Some(b) => {
                 let x = &self.blocks[b as usize];
@@ -1531,24 +1536,18 @@ impl Engine {
                 p == x.addr + x.size
             })
         });
-        let is_aliased = |hid: u32, al: &[(u32, Cand)]| al.iter().any(|(_, c)| c.hid == hid);
         let base = match placed {
             Ok(b) => b,
             Err(e) => {
-                let plain: Vec<u32> = hids
-                    .iter()
-                    .copied()
-                    .filter(|&h| !is_aliased(h, &aliased))
-                    .collect();
                 self.unalias(d, aliased, ghost_event);
-                self.unmapped.extend(plain);
+                self.unmapped.extend(hids);
                 return Err(e);
             }
         };
         let mut off = 0;
-        let mut done = Vec::with_capacity(hids.len());
+        let mut done = Vec::with_capacity(order.len());
         let mut failed = None;
-        for &hid in &hids {
+        for &hid in &order {
             let (h, size) = (self.hrec(hid).handle, self.hsize(hid));
             if let Err(e) = self.drv(DriverOp::Map, || d.map(base + off, size, h)) {
                 failed = Some(e);
@@ -1563,12 +1562,9 @@ impl Engine {
             }
         }
         if let Some(e) = failed {
-            let aliased_hids: Vec<u32> = aliased.iter().map(|(_, c)| c.hid).collect();
             self.rollback_span(d, base, total, &done, &aliased_hids);
-            self.unmapped.extend(
-                hids.iter()
-                    .filter(|&&h| !self.quarantine.contains(&h) && !aliased_hids.contains(&h)),
-            );
+            self.unmapped
+                .extend(hids.iter().filter(|h| !self.quarantine.contains(h)));
             self.unalias(d, aliased, ghost_event);
             return Err(e.into());
         }
@@ -1589,7 +1585,6 @@ impl Engine {
                 event: ghost_event,
                 stream: self.owners[c.owner as usize].stream,
             });
-            self.ghost_bytes += c.size;
             aliased_bytes += c.size;
         }
         self.stats.aliased_handles += aliased.len() as u64;
@@ -1669,7 +1664,6 @@ impl Engine {
                         event: None,
                         stream: Stream::DEFAULT,
                     });
-                    self.ghost_bytes += size;
                     if addr > cursor {
                         self.va.free(cursor, addr - cursor);
                     }
@@ -1747,7 +1741,6 @@ impl Engine {
                     continue;
                 }
                 self.ghosts.remove(j); // keeps the record order poll_ghosts relies on
-                self.ghost_bytes -= size;
                 self.handles[hid as usize].as_mut().expect("handle").ghosts -= 1;
                 self.va.free(addr, size);
             }
@@ -2250,12 +2243,6 @@ impl Engine {
             }
             ghost_counts[g.hid as usize] += 1;
             ghost_bytes += g.size;
-        }
-        if ghost_bytes != self.ghost_bytes {
-            return Err(format!(
-                "ghost_bytes is {}, the ghosts sum to {ghost_bytes}",
-                self.ghost_bytes
-            ));
         }
         for (hid, h) in self.handles.iter().enumerate() {
             if let Some(h) = h {
