@@ -116,12 +116,20 @@ impl<'a> Walk<'a> {
         self.push(n)
     }
 
-    fn line_index(&mut self) -> R<u64> {
-        let l = self.line()?;
-        std::str::from_utf8(&l[..l.len() - 1])
-            .ok()
-            .and_then(|s| s.trim().parse().ok())
-            .ok_or_else(|| "bad memo index in pickle".to_string())
+    /// The memo index argument of a GET / PUT opcode: a text line (`g`, `p`), one byte
+    /// (`h`, `q`) or four bytes (`j`, `r`).
+    fn memo_index(&mut self, op: u8) -> R<u64> {
+        match op {
+            b'g' | b'p' => {
+                let l = self.line()?;
+                std::str::from_utf8(&l[..l.len() - 1])
+                    .ok()
+                    .and_then(|s| s.trim().parse().ok())
+                    .ok_or_else(|| "bad memo index in pickle".to_string())
+            }
+            b'h' | b'q' => self.uint(1),
+            _ => self.uint(4),
+        }
     }
 
     fn run(&mut self) -> R<()> {
@@ -231,28 +239,12 @@ impl<'a> Walk<'a> {
                     self.push(1)?;
                 }
                 // The memo.
-                b'g' => {
-                    let i = self.line_index()?;
+                b'g' | b'h' | b'j' => {
+                    let i = self.memo_index(op)?;
                     self.memo_get(i)?;
                 }
-                b'h' => {
-                    let i = self.uint(1)?;
-                    self.memo_get(i)?;
-                }
-                b'j' => {
-                    let i = self.uint(4)?;
-                    self.memo_get(i)?;
-                }
-                b'p' => {
-                    let i = self.line_index()?;
-                    self.memo_put(i)?;
-                }
-                b'q' => {
-                    let i = self.uint(1)?;
-                    self.memo_put(i)?;
-                }
-                b'r' => {
-                    let i = self.uint(4)?;
+                b'p' | b'q' | b'r' => {
+                    let i = self.memo_index(op)?;
                     self.memo_put(i)?;
                 }
                 0x94 => {
