@@ -27,6 +27,15 @@ tensor has a non-zero number of elements, but its data is not allocated yet``. T
 allocator's diagnosis is in the log and in :func:`last_error` (of the allocating thread).
 ``on_oom:abort`` stops the process with the diagnosis instead.
 
+CUDA graphs: this path has no private graph memory pools yet, and memory that a graph's
+kernels use must never be handed to another tensor while the graph lives. So under
+stitch-alloc a graph capture fails loudly instead of corrupting memory: :func:`enable`
+makes ``torch.cuda.CUDAGraph.capture_begin`` (``torch.cuda.graph``,
+``torch.cuda.make_graphed_callables``, ``torch.compile(mode="reduce-overhead")``) raise
+:class:`GraphCaptureUnsupported`, and the library itself refuses an allocation on a
+capturing stream (NULL, with the reason in :func:`last_error`) and keeps a block freed
+during a capture out of reuse for the life of the process.
+
 The statistics functions need only ctypes, not torch.
 """
 
@@ -51,6 +60,7 @@ __all__ = [
     "empty_cache",
     "last_error",
     "version",
+    "GraphCaptureUnsupported",
 ]
 
 __version__ = "0.1.0"
@@ -71,6 +81,21 @@ _HOOKS = (
     ("set_reset_fn", "stitch_reset"),
     ("set_memory_fraction_fn", "stitch_memory_fraction"),
     ("set_record_stream_fn", "stitch_record_stream"),
+)
+
+class GraphCaptureUnsupported(RuntimeError):
+    """A CUDA graph capture was started while stitch-alloc is torch's allocator.
+
+    Capture needs private memory pools (memory used by a graph is never reused while the
+    graph lives), which this integration does not have yet; capturing without them would
+    let a later tensor share memory with the graph's temporaries."""
+
+
+_CAPTURE_MESSAGE = (
+    "stitch_alloc: CUDA graph capture is not supported yet under stitch-alloc (no private "
+    "graph memory pools: memory a graph uses could be handed to other tensors and be "
+    "overwritten on replay). Run graph capture under torch's default allocator, or without "
+    "torch.cuda.graph / make_graphed_callables / torch.compile(mode='reduce-overhead')."
 )
 
 _lock = threading.RLock()
@@ -246,8 +271,34 @@ def enable(path=None, conf=None):
                 "stitch_alloc.enable() must run before the first CUDA allocation of the "
                 f"process (torch: {e})"
             ) from e
+        _guard_graph_capture(torch)
         _torch_allocator = alloc
         return alloc
+
+
+def _guard_graph_capture(torch):
+    """Make every capture through torch's Python API fail at its start, before any kernel or
+    allocation is recorded (the library also refuses allocations on a capturing stream,
+    for captures started elsewhere)."""
+    graph_cls = getattr(torch.cuda, "CUDAGraph", None)
+    if graph_cls is None or getattr(graph_cls, "_stitch_alloc_guarded", False):
+        return
+
+    def capture_begin(self, *args, **kwargs):
+        raise GraphCaptureUnsupported(_CAPTURE_MESSAGE)
+
+    capture_begin.__doc__ = GraphCaptureUnsupported.__doc__
+    graph_cls.capture_begin = capture_begin
+    graph_cls._stitch_alloc_guarded = True
+    # torch.cuda.graph enters its side stream before capture_begin; refusing in __enter__
+    # first leaves the caller's current stream as it was.
+    ctx_cls = getattr(torch.cuda, "graph", None)
+    if isinstance(ctx_cls, type):
+
+        def enter(self):
+            raise GraphCaptureUnsupported(_CAPTURE_MESSAGE)
+
+        ctx_cls.__enter__ = enter
 
 
 def _device_index(device):

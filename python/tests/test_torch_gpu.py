@@ -227,3 +227,78 @@ def test_tiny_llama_generate_and_train(libpath):
     assert all(l == l and l > 0 for l in res["losses"]), res["losses"]
     assert res["stats"]["num_ooms"] == 0
     assert res["stats"]["allocation.all.allocated"] > 100
+
+
+def test_graph_capture_fails_loudly_and_corrupts_nothing(libpath):
+    """Issue #12: without private graph pools, a temporary freed during capture went back to
+    the general pool and a replay wrote into tensors allocated after the capture (1 of 8
+    under stitch-alloc, 0 of 8 under torch's default). Capture must now fail at its start,
+    leave the current stream alone, and the allocator must keep working."""
+    res = run_torch(
+        libpath,
+        """
+        x = torch.randn(1 << 20, device="cuda")
+        s = torch.cuda.Stream()
+        before = torch.cuda.current_stream()
+        errs = []
+        try:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, stream=s):
+                t = x * 2
+                y = t.sin()
+                del t
+        except stitch_alloc.GraphCaptureUnsupported as e:
+            errs.append(str(e))
+        try:
+            torch.cuda.CUDAGraph().capture_begin()
+        except RuntimeError as e:
+            errs.append(str(e))
+        same_stream = torch.cuda.current_stream() == before
+        with torch.cuda.stream(s):
+            outs = [torch.zeros_like(x) for _ in range(8)]
+        torch.cuda.synchronize()
+        dirty = sum(int(o.abs().sum().item() != 0) for o in outs)
+        ok = float((x * 3).sum().item()) == float((x.cpu() * 3).sum().item())
+        print("RESULT", json.dumps({"errs": errs, "same_stream": same_stream,
+              "dirty": dirty, "ok": ok}))
+        """,
+    )
+    assert len(res["errs"]) == 2, res
+    assert all("CUDA graph capture is not supported" in e for e in res["errs"]), res
+    assert res["same_stream"]
+    assert res["dirty"] == 0
+    assert res["ok"]
+
+
+def test_capture_on_raw_stream_refused_by_library(libpath):
+    """A capture started below torch's Python API (the base class's capture_begin, as C++
+    code or another library would) is caught by the library: an allocation on a capturing
+    stream is refused (the op raises instead of recording a kernel on memory that the pool
+    would hand out again) and the reason names graph capture."""
+    res = run_torch(
+        libpath,
+        """
+        x = torch.randn(1 << 20, device="cuda")
+        s = torch.cuda.Stream()
+        g = torch.cuda.CUDAGraph()
+        raised = None
+        with torch.cuda.stream(s):
+            torch._C._CUDAGraph.capture_begin(g)
+            try:
+                t = x * 2
+                t.sum()
+            except RuntimeError as e:
+                raised = str(e)
+            try:
+                torch._C._CUDAGraph.capture_end(g)
+            except RuntimeError:
+                pass
+        torch.cuda.synchronize()
+        err = stitch_alloc.last_error()
+        z = torch.ones(1 << 20, device="cuda").sum().item()
+        print("RESULT", json.dumps({"raised": raised, "err": err, "z": z}))
+        """,
+    )
+    assert res["raised"] is not None, res
+    assert "graph" in res["err"].lower(), res
+    assert res["z"] == float(1 << 20)
