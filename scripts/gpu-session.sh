@@ -8,6 +8,8 @@
 #   bash scripts/gpu-session.sh suite    # tests, memcheck, GPU benches, trace replays, Python tests
 #   bash scripts/gpu-session.sh torch    # scripts/torch-validate.py (PyTorch default vs
 #                                        # expandable segments vs stitch-alloc, fresh processes)
+#   bash scripts/gpu-session.sh zoo [args]  # scripts/torch-zoo.py --record: the workload zoo,
+#                                        # snapshots packed into $OUT/zoo-snapshots.tgz
 # Logs and results go to $OUT (or ./gpu-logs), packed into one tarball plus a summary.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -60,8 +62,16 @@ torch)
         timeout "${TORCH_TIMEOUT:-540}" python3 scripts/torch-validate.py --out "$out/torch-validate.json" \
         "${@:2}" 2>&1 | tee "$out/torch-validate.txt" | tail -60
     ;;
+zoo)
+    zoo=$(mktemp -d)
+    STITCH_ALLOC_LIB=$(pwd)/.gpu/libstitch_alloc.so PYTHONUNBUFFERED=1 \
+        timeout "${ZOO_TIMEOUT:-560}" python3 scripts/torch-zoo.py --out "$zoo" --record "${@:2}" 2>&1 |
+        tee "$out/zoo.txt" | tail -80
+    cp "$zoo/zoo.json" "$zoo/zoo.md" "$out/" 2>/dev/null
+    [ -d "$zoo/snapshots" ] && tar czf "$out/zoo-snapshots.tgz" -C "$zoo" snapshots && ls -la "$out"
+    ;;
 *)
-    echo "usage: $0 build|suite|torch" >&2
+    echo "usage: $0 build|suite|torch|zoo" >&2
     exit 2
     ;;
 esac

@@ -1,0 +1,527 @@
+#!/usr/bin/env python3
+"""The workload zoo: real PyTorch programs of different kinds, each run in a fresh process
+under PyTorch's default caching allocator (recording its allocation history, so that
+``stitch replay`` can replay the very same allocation sequence), under
+``expandable_segments:True`` and under stitch-alloc, with each allocator's own figures.
+
+Models are built from configs with random weights (no network). Every workload is seeded:
+the same arguments give the same shapes in every run and under every allocator.
+
+Workloads (``--list`` prints them):
+
+* ``llm-train-s``      Llama 8x768, AdamW, bf16 autocast, batch 1-16 x sequence 64-1024
+* ``llm-train-ckpt``   Llama 12x1024 with activation (gradient) checkpointing
+* ``llm-train-l``      Llama 16x2048 (about 1.2 B parameters), AdamW, bf16 autocast
+* ``hf-generate``      Llama 4x2048 bf16, ``generate`` with the dynamic KV cache, varying batches
+* ``lora``             peft LoRA (r=16) fine-tune of a bf16 Llama 8x1024
+* ``bert-encode``      BERT-base encoder inference, fp16, batch 1-64 x length 16-512
+* ``resnet50-amp``     timm ResNet-50 training with AMP, batch 16-96
+* ``vit-amp``          timm ViT-B/16 training with AMP, batch 8-64
+* ``lightning``        a Lightning ``Trainer.fit`` of a small transformer, variable batches
+* ``moe``              a mixture-of-experts block (8 experts, top-2): expert batches vary by routing
+* ``serve``            a serving loop: requests of different lengths admitted and retired,
+                       each with its own KV cache, decoded step by step
+
+Output (``--out DIR``): ``zoo.json`` (every run's figures), ``zoo.md`` (the table), and,
+with ``--record``, ``DIR/snapshots/<workload>.pickle.gz`` recorded under PyTorch's default.
+
+    python3 scripts/torch-zoo.py --out zoo --record          # everything
+    python3 scripts/torch-zoo.py --workloads moe,serve --configs default,stitch --quick
+    python3 scripts/torch-zoo.py --list
+"""
+
+import argparse
+import concurrent.futures as cf
+import datetime
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+PYDIR = os.path.join(REPO, "python")
+
+CONFIGS = {
+    "default": {"label": "PyTorch default", "alloc_conf": None, "stitch": False},
+    "expandable": {"label": "expandable_segments", "alloc_conf": "expandable_segments:True",
+                   "stitch": False},
+    "stitch": {"label": "stitch-alloc", "alloc_conf": None, "stitch": True},
+}
+
+# ---------------------------------------------------------------------------------------
+# Workloads. Each takes (torch, rng, quick) and returns a dict of workload facts; the
+# allocator figures are read by the caller. `rng` is a random.Random seeded per workload.
+
+
+def _llama(torch, layers, hidden, dtype, vocab=32000):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    heads = max(1, hidden // 128)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden,
+                      intermediate_size=int(hidden * 2.75) // 256 * 256,
+                      num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=heads, max_position_embeddings=4096,
+                      bos_token_id=1, eos_token_id=None, pad_token_id=0)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("cuda"):
+            return LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+
+
+def _train_llm(torch, rng, steps, layers, hidden, max_batch, max_seq, ckpt=False):
+    model = _llama(torch, layers, hidden, torch.float32).train()
+    model.config.use_cache = False
+    if ckpt:
+        model.gradient_checkpointing_enable()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    losses = []
+    for _ in range(steps):
+        b, s = rng.randint(1, max_batch), rng.randint(64, max_seq)
+        ids = torch.randint(3, 32000, (b, s), device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(round(out.loss.detach().float().item(), 4))
+        del out, ids
+    return {"steps": steps, "losses": losses, "_keep": (model, opt)}
+
+
+def w_llm_train_s(torch, rng, quick):
+    return _train_llm(torch, rng, 4 if quick else 14, 2 if quick else 8, 768, 16, 1024)
+
+
+def w_llm_train_ckpt(torch, rng, quick):
+    return _train_llm(torch, rng, 4 if quick else 12, 2 if quick else 12, 1024, 16, 2048, ckpt=True)
+
+
+def w_llm_train_l(torch, rng, quick):
+    return _train_llm(torch, rng, 3 if quick else 8, 2 if quick else 16, 2048, 8, 2048)
+
+
+def w_hf_generate(torch, rng, quick):
+    model = _llama(torch, 2 if quick else 4, 2048, torch.bfloat16).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    tokens = 0
+    with torch.inference_mode():
+        for _ in range(4 if quick else 14):
+            b = rng.choice([1, 2, 4, 8, 16, 32])
+            p, n = rng.randint(16, 512), rng.randint(16, 32 if quick else 128)
+            ids = torch.randint(3, 32000, (b, p), device="cuda")
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                 max_new_tokens=n, do_sample=False, use_cache=True)
+            tokens += (out.shape[1] - p) * b
+            del out, ids
+    return {"tokens": tokens, "_keep": model}
+
+
+def w_lora(torch, rng, quick):
+    from peft import LoraConfig, get_peft_model
+
+    base = _llama(torch, 2 if quick else 8, 1024, torch.bfloat16)
+    model = get_peft_model(base, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05,
+                                            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    losses = []
+    for _ in range(4 if quick else 16):
+        b, s = rng.randint(1, 16), rng.randint(64, 1536)
+        ids = torch.randint(3, 32000, (b, s), device="cuda")
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(round(out.loss.detach().float().item(), 4))
+        del out, ids
+    return {"losses": losses, "_keep": (model, opt)}
+
+
+def w_bert_encode(torch, rng, quick):
+    from transformers import BertConfig, BertModel
+
+    cfg = BertConfig(num_hidden_layers=2 if quick else 12, hidden_size=768,
+                     num_attention_heads=12, intermediate_size=3072, max_position_embeddings=512)
+    with torch.device("cuda"):
+        model = BertModel(cfg).half().eval()
+    n = 0
+    with torch.inference_mode():
+        for _ in range(8 if quick else 40):
+            b, s = rng.randint(1, 64), rng.randint(16, 512)
+            ids = torch.randint(100, cfg.vocab_size, (b, s), device="cuda")
+            out = model(input_ids=ids, attention_mask=torch.ones_like(ids))
+            emb = out.last_hidden_state.mean(dim=1)  # sentence embeddings, as sbert pools
+            n += emb.shape[0]
+            del out, ids, emb
+    return {"sentences": n, "_keep": model}
+
+
+def _train_timm(torch, rng, name, steps, lo, hi):
+    import timm
+
+    torch.backends.cudnn.benchmark = False  # the same kernels under every allocator
+    model = timm.create_model(name, pretrained=False, num_classes=1000).cuda().train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    scaler = torch.amp.GradScaler("cuda")
+    losses = []
+    for _ in range(steps):
+        b = rng.randint(lo, hi)
+        x = torch.randn(b, 3, 224, 224, device="cuda")
+        y = torch.randint(0, 1000, (b,), device="cuda")
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        losses.append(round(loss.detach().float().item(), 4))
+        del x, y, loss
+    return {"losses": losses, "_keep": (model, opt)}
+
+
+def w_resnet50_amp(torch, rng, quick):
+    return _train_timm(torch, rng, "resnet50", 4 if quick else 14, 16, 96)
+
+
+def w_vit_amp(torch, rng, quick):
+    return _train_timm(torch, rng, "vit_base_patch16_224", 4 if quick else 14, 8, 64)
+
+
+def w_lightning(torch, rng, quick):
+    import lightning as L
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            layer = torch.nn.TransformerEncoderLayer(512, 8, 2048, batch_first=True)
+            self.enc = torch.nn.TransformerEncoder(layer, 2 if quick else 6)
+            self.emb = torch.nn.Embedding(8192, 512)
+            self.head = torch.nn.Linear(512, 8192)
+
+        def training_step(self, batch, _):
+            (ids,) = batch
+            h = self.enc(self.emb(ids))
+            return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), ids.flatten())
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    class Batches(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            r = random.Random(rng.random())
+            while True:
+                yield (torch.randint(0, 8192, (r.randint(4, 64), r.randint(32, 512))),)
+
+    steps = 6 if quick else 40
+    trainer = L.Trainer(accelerator="gpu", devices=1, max_steps=steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, precision="bf16-mixed")
+    module = Module()
+    loader = torch.utils.data.DataLoader(Batches(), batch_size=None)
+    trainer.fit(module, loader)
+    return {"steps": steps, "_keep": module}
+
+
+def w_moe(torch, rng, quick):
+    nn = torch.nn
+    experts, top_k, d, f = 8, 2, 1024, 4096
+
+    class MoE(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router = nn.Linear(d, experts)
+            self.w1 = nn.ModuleList(nn.Linear(d, f) for _ in range(experts))
+            self.w2 = nn.ModuleList(nn.Linear(f, d) for _ in range(experts))
+
+        def forward(self, x):
+            weights, chosen = self.router(x).softmax(-1).topk(top_k, dim=-1)
+            out = torch.zeros_like(x)
+            for e in range(experts):
+                rows, slot = (chosen == e).nonzero(as_tuple=True)
+                if rows.numel() == 0:
+                    continue
+                h = self.w2[e](torch.nn.functional.gelu(self.w1[e](x[rows])))
+                out.index_add_(0, rows, h * weights[rows, slot, None])
+            return out
+
+    model = nn.Sequential(*[MoE() for _ in range(2 if quick else 4)]).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    losses = []
+    for _ in range(4 if quick else 20):
+        tokens = rng.randint(1024, 16384)
+        # Skewed routing: a token batch whose mean drifts, so expert loads vary step to step.
+        x = torch.randn(tokens, d, device="cuda") + rng.uniform(-1, 1)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(x).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(round(loss.detach().item(), 4))
+        del x, loss
+    return {"losses": losses, "_keep": (model, opt)}
+
+
+def w_serve(torch, rng, quick):
+    from transformers import DynamicCache
+
+    model = _llama(torch, 2 if quick else 4, 1536, torch.bfloat16).eval()
+    active, done, steps, tokens = [], 0, 0, 0
+    total = 8 if quick else 48
+    arrived = 0
+    with torch.inference_mode():
+        while done < total:
+            # Admit up to two new requests per step while fewer than 16 run.
+            for _ in range(2):
+                if arrived < total and len(active) < 16:
+                    p, n = rng.randint(32, 1024), rng.randint(8, 24 if quick else 160)
+                    ids = torch.randint(3, 32000, (1, p), device="cuda")
+                    cache = DynamicCache()
+                    out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+                    nxt = out.logits[:, -1:].argmax(-1)
+                    active.append({"cache": out.past_key_values, "next": nxt, "left": n})
+                    arrived += 1
+                    del out, ids
+            for r in active:
+                out = model(input_ids=r["next"], past_key_values=r["cache"], use_cache=True)
+                r["cache"], r["next"] = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                r["left"] -= 1
+                tokens += 1
+                del out
+            finished = [r for r in active if r["left"] <= 0]
+            active = [r for r in active if r["left"] > 0]
+            done += len(finished)
+            del finished
+            steps += 1
+    return {"requests": total, "steps": steps, "tokens": tokens, "_keep": model}
+
+
+WORKLOADS = {
+    "llm-train-s": (w_llm_train_s, "training"),
+    "llm-train-ckpt": (w_llm_train_ckpt, "training"),
+    "llm-train-l": (w_llm_train_l, "training"),
+    "hf-generate": (w_hf_generate, "inference"),
+    "lora": (w_lora, "training"),
+    "bert-encode": (w_bert_encode, "inference"),
+    "resnet50-amp": (w_resnet50_amp, "training"),
+    "vit-amp": (w_vit_amp, "training"),
+    "lightning": (w_lightning, "training"),
+    "moe": (w_moe, "training"),
+    "serve": (w_serve, "inference"),
+}
+
+# ---------------------------------------------------------------------------------------
+# The child: one workload under one allocator.
+
+
+def memory_figures(torch, stitch):
+    if stitch:
+        import stitch_alloc
+
+        m = stitch_alloc.memory_stats(0)
+    else:
+        m = torch.cuda.memory_stats(0)
+    keys = ("allocated_bytes.all.peak", "reserved_bytes.all.peak", "requested_bytes.all.peak",
+            "num_alloc_retries", "num_ooms", "num_device_alloc", "num_device_free")
+    out = {k: int(m.get(k, 0)) for k in keys}
+    if stitch:
+        for k in ("stitches", "stitched_handles", "extensions", "driver_calls", "vmm_calls",
+                  "driver_time_us", "slow_allocs", "fast_allocs", "event_waits"):
+            out[k] = int(m.get(k, 0))
+    pr, pq = out["reserved_bytes.all.peak"], out["requested_bytes.all.peak"]
+    out["reserved_over_requested"] = pr / pq if pq else None
+    return out
+
+
+def child(a):
+    c = CONFIGS[a.child]
+    res = {"workload": a.workload, "config": a.child, "ok": False}
+    if c["stitch"]:
+        sys.path.insert(0, PYDIR)
+        import stitch_alloc
+
+        stitch_alloc.enable(path=a.lib, conf=a.stitch_conf)
+        res["stitch_conf"] = a.stitch_conf
+    import torch
+
+    recording = a.record and a.child == "default"
+    if recording:
+        torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
+                                                 max_entries=20_000_000)
+    torch.manual_seed(a.seed)
+    rng = random.Random(f"{a.seed}:{a.workload}")
+    fn, kind = WORKLOADS[a.workload]
+    t0 = time.perf_counter()
+    r = fn(torch, rng, a.quick)
+    keep = r.pop("_keep", None)
+    torch.cuda.synchronize()
+    res.update(r)
+    res["kind"] = kind
+    res["seconds"] = time.perf_counter() - t0
+    res["memory"] = memory_figures(torch, c["stitch"])
+    if recording:
+        import gzip
+        import pickle
+
+        snap = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        os.makedirs(os.path.join(a.out, "snapshots"), exist_ok=True)
+        path = os.path.join(a.out, "snapshots", f"{a.workload}.pickle.gz")
+        with gzip.open(path, "wb") as f:
+            pickle.dump(snap, f)
+        res["snapshot"] = {"path": os.path.relpath(path, a.out),
+                           "events": sum(len(t) for t in snap["device_traces"]),
+                           "bytes": os.path.getsize(path)}
+    res["ok"] = True
+    del keep
+    with open(a.result, "w") as f:
+        json.dump(res, f)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------
+# The parent.
+
+
+def child_env(a, config):
+    env = dict(os.environ)
+    for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "STITCH_ALLOC_CONF"):
+        env.pop(k, None)
+    c = CONFIGS[config]
+    if c["alloc_conf"]:
+        env["PYTORCH_ALLOC_CONF"] = env["PYTORCH_CUDA_ALLOC_CONF"] = c["alloc_conf"]
+    env["PYTHONPATH"] = PYDIR + os.pathsep + env.get("PYTHONPATH", "")
+    env.update({"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
+    return env
+
+
+def run_one(a, workload, config):
+    fd, result = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", config, "--workload", workload,
+           "--result", result, "--seed", str(a.seed), "--out", a.out,
+           "--stitch-conf", a.stitch_conf] + (["--record"] if a.record else []) \
+        + (["--quick"] if a.quick else []) + (["--lib", a.lib] if a.lib else [])
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, env=child_env(a, config), capture_output=True, text=True,
+                           timeout=a.timeout)
+        rc, tail = p.returncode, (p.stdout + p.stderr)[-3000:]
+    except subprocess.TimeoutExpired as e:
+        rc, tail = "timeout", str(e)[-3000:]
+    try:
+        with open(result) as f:
+            res = json.load(f)
+    except (OSError, ValueError):
+        res = {"workload": workload, "config": config, "ok": False}
+    os.unlink(result)
+    res["rc"], res["wall"] = rc, round(time.perf_counter() - t0, 1)
+    if not res.get("ok"):
+        res["log_tail"] = tail
+    return res
+
+
+def table(results):
+    by = {(r["workload"], r["config"]): r for r in results}
+    cfgs = [c for c in CONFIGS if any(k[1] == c for k in by)]
+    lines = ["| workload | kind | events | peak requested | "
+             + " | ".join(f"{CONFIGS[c]['label']} reserved/requested" for c in cfgs) + " |",
+             "|---|---|---|---|" + "---|" * len(cfgs)]
+    for w in WORKLOADS:
+        rows = [by.get((w, c)) for c in cfgs]
+        if not any(rows):
+            continue
+        ref = by.get((w, "default")) or next(r for r in rows if r)
+        ev = (ref.get("snapshot") or {}).get("events", "")
+        pq = (ref.get("memory") or {}).get("requested_bytes.all.peak")
+        cells = []
+        for r in rows:
+            m = (r or {}).get("memory") or {}
+            x = m.get("reserved_over_requested")
+            cells.append(f"{x:.4f}" if x else ("failed" if r else ""))
+        lines.append(f"| {w} | {ref.get('kind', '')} | {ev} | "
+                     f"{pq / 2**30:.2f} GiB | " if pq else f"| {w} | | {ev} | | ")
+        lines[-1] += " | ".join(cells) + " |"
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--configs", default="default,expandable,stitch")
+    p.add_argument("--out", default="zoo")
+    p.add_argument("--record", action="store_true",
+                   help="record PyTorch default's allocation history as a snapshot per workload")
+    p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
+    p.add_argument("--jobs", type=int, default=3,
+                   help="children at once (memory figures are per process; times are not "
+                        "comparable with --jobs > 1)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--lib", default=None)
+    p.add_argument("--stitch-conf", default="backend:cuda,log:error")
+    p.add_argument("--list", action="store_true")
+    p.add_argument("--child", choices=sorted(CONFIGS), help=argparse.SUPPRESS)
+    p.add_argument("--workload", choices=sorted(WORKLOADS), help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    a.out = os.path.abspath(a.out)
+    if a.list:
+        for w, (fn, kind) in WORKLOADS.items():
+            print(f"{w:16} {kind}")
+        return 0
+    if a.child:
+        return child(a)
+    ws = [w for w in a.workloads.split(",") if w]
+    cs = [c for c in a.configs.split(",") if c]
+    for w in ws:
+        if w not in WORKLOADS:
+            p.error(f"unknown workload {w!r}")
+    for c in cs:
+        if c not in CONFIGS:
+            p.error(f"unknown config {c!r}")
+    os.makedirs(a.out, exist_ok=True)
+    jobs = [(w, c) for w in ws for c in cs]
+    results = []
+    with cf.ThreadPoolExecutor(max_workers=max(1, a.jobs)) as ex:
+        futs = {ex.submit(run_one, a, w, c): (w, c) for w, c in jobs}
+        for f in cf.as_completed(futs):
+            r = f.result()
+            m = r.get("memory") or {}
+            print(f"{r['workload']:16} {r['config']:11} ok={r.get('ok')} wall={r['wall']}s "
+                  f"ratio={m.get('reserved_over_requested')}", flush=True)
+            if not r.get("ok"):
+                print(r.get("log_tail", ""), flush=True)
+            results.append(r)
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "argv": sys.argv[1:], "jobs": a.jobs, "quick": a.quick}
+    try:
+        import torch
+
+        meta.update({"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0)})
+    except Exception:  # noqa: BLE001 (the table is still useful without it)
+        pass
+    try:
+        meta["commit"] = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"],
+                                        capture_output=True, text=True).stdout.strip()
+    except OSError:
+        pass
+    text = table(results)
+    with open(os.path.join(a.out, "zoo.json"), "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+    with open(os.path.join(a.out, "zoo.md"), "w") as f:
+        f.write(text + "\n")
+    print(text)
+    return 0 if all(r.get("ok") for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
