@@ -68,7 +68,9 @@ zoo)
         timeout "${ZOO_TIMEOUT:-560}" python3 scripts/torch-zoo.py --out "$zoo" --record "${@:2}" 2>&1 |
         tee "$out/zoo.txt" | tail -80
     cp "$zoo/zoo.json" "$zoo/zoo.md" "$out/" 2>/dev/null
-    [ -d "$zoo/snapshots" ] && tar czf "$out/zoo-snapshots.tgz" -C "$zoo" snapshots && ls -la "$out"
+    # Files come back at most 16 MiB each: the tarball in 15 MiB parts (cat them to unpack).
+    [ -d "$zoo/snapshots" ] && tar cf - -C "$zoo" snapshots | split -b 15m - "$out/zoo-snapshots.tar.part-" &&
+        ls -la "$out"
     ;;
 *)
     echo "usage: $0 build|suite|torch|zoo" >&2
