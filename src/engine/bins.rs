@@ -7,7 +7,7 @@
 //! larger class, whose every block fits: a good fit in O(1).
 #![forbid(unsafe_code)]
 
-use super::{Block, NIL};
+use super::arena::{Block, NIL};
 
 const SL: usize = 16;
 const FL: usize = 48;
