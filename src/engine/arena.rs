@@ -314,7 +314,8 @@ impl Arena {
         let State::Free { owner: o, seq } = self.blocks[j as usize].state else {
             return None;
         };
-        if o != owner && !(!owner.is_clean() && o.is_clean()) {
+        let clean_into_dirty = o.is_clean() && !owner.is_clean();
+        if o != owner && !clean_into_dirty {
             return None;
         }
         self.bins[o.index()][pool].remove(&mut self.blocks, j);
@@ -355,28 +356,28 @@ impl Arena {
         }
     }
 
-    /// Cut `[haddr, haddr+hsize)` out of free block `b`, which contains it. Returns a new
+    /// Cut `[start, start+len)` out of free block `b`, which contains it. Returns a new
     /// standalone free block (same owner) covering exactly that range, in no list; the
     /// pieces of `b` around it stay listed (`b` keeps the piece below, if any), each the end
     /// of its run.
-    pub(crate) fn carve(&mut self, b: u32, haddr: u64, hsize: u64) -> u32 {
+    pub(crate) fn carve(&mut self, b: u32, start: u64, len: u64) -> u32 {
         let (addr, size, prev, next, pool, state) = {
             let x = &self.blocks[b as usize];
             (x.addr, x.size, x.prev, x.next, x.pool, x.state)
         };
         let o = state.owner().index();
-        debug_assert!(addr <= haddr && haddr + hsize <= addr + size);
+        debug_assert!(addr <= start && start + len <= addr + size);
         self.bins[o][pool as usize].remove(&mut self.blocks, b);
-        let below = haddr - addr;
-        let above = addr + size - (haddr + hsize);
+        let below = start - addr;
+        let above = addr + size - (start + len);
         let m = if below > 0 {
             let x = &mut self.blocks[b as usize];
             x.size = below;
             x.next = NIL;
             self.bins[o][pool as usize].insert(&mut self.blocks, b);
             self.new_block(Block {
-                addr: haddr,
-                size: hsize,
+                addr: start,
+                size: len,
                 prev: NIL,
                 next: NIL,
                 fprev: NIL,
@@ -389,14 +390,14 @@ impl Arena {
                 self.blocks[prev as usize].next = NIL;
             }
             let x = &mut self.blocks[b as usize];
-            x.size = hsize;
+            x.size = len;
             x.prev = NIL;
             x.next = NIL;
             b
         };
         if above > 0 {
             let r = self.new_block(Block {
-                addr: haddr + hsize,
+                addr: start + len,
                 size: above,
                 prev: NIL,
                 next,

@@ -4,7 +4,7 @@
 //! [`GrowthPolicy`] and can be measured side by side (`Engine::with_policy`).
 #![forbid(unsafe_code)]
 
-use super::arena::{round_up, Arena, Pool, State, NIL, POOLS};
+use super::arena::{round_up, Arena, Pool, State, NIL};
 use super::fences::OwnerId;
 use super::handles::Handles;
 use super::va::VaSpace;
@@ -405,8 +405,6 @@ pub(crate) fn extension_target(ctx: &PlanContext<'_>, rsize: u64) -> Option<(u32
     }
     best
 }
-
-const _: () = assert!(POOLS == 3, "paged pools are small and medium");
 
 #[cfg(test)]
 mod tests;
