@@ -4,9 +4,9 @@
 use std::collections::HashMap;
 use stitch_alloc::driver::SimDriver;
 use stitch_alloc::trace::{read_path, Event, ReadOptions};
-use stitch_alloc::{Allocator, Config, DevicePtr, Snapshot, Stream};
+use stitch_alloc::{Allocator, Config, DevicePtr, Layout, Stream};
 
-fn report(snap: &Snapshot) {
+fn report(snap: &Layout) {
     let rows = snap.stranded_handles();
     let tot: u64 = rows.iter().map(|r| r.free).sum();
     println!("stranded {} MiB in {} handles; top:", tot >> 20, rows.len());
@@ -32,7 +32,7 @@ fn main() {
     let cfg = Config::default().with_handle_sizes(0, max << 20);
     let a = Allocator::new(SimDriver::new(), cfg).unwrap();
     let mut ptrs: HashMap<u64, DevicePtr> = HashMap::new();
-    let mut best: Option<(u64, Snapshot)> = None;
+    let mut best: Option<(u64, Layout)> = None;
     for e in &t.events {
         match *e {
             Event::Alloc { id, bytes, stream } => {

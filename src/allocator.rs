@@ -3,7 +3,7 @@
 
 use crate::config::Config;
 use crate::driver::{Driver, Stream};
-use crate::engine::{Engine, Snapshot};
+use crate::engine::{Engine, Layout};
 use crate::error::{AllocError, Result};
 use crate::stats::{DetailedStats, Stats};
 use parking_lot::Mutex;
@@ -197,8 +197,8 @@ impl<D: Driver> Allocator<D> {
     }
 
     /// The whole layout (blocks, handles, reservations) for dumps and pictures.
-    pub fn snapshot(&self) -> Snapshot {
-        self.engine.lock().snapshot()
+    pub fn snapshot(&self) -> Layout {
+        self.engine.lock().layout()
     }
 
     /// The layout as JSON.

@@ -49,7 +49,7 @@ pub use allocator::{Allocator, Buffer, DevicePtr, ShutdownReport};
 pub use backend::{AnyDriver, BackendError};
 pub use config::{Capacity, Config};
 pub use driver::{CudaDriver, Driver, Stream};
-pub use engine::{BlockView, HandleView, Pool, Snapshot, StrandedHandle};
+pub use engine::{BlockView, HandleView, Layout, Pool, StrandedHandle};
 pub use error::{AllocError, OomReport, Result};
 pub use stats::{DetailedStats, Stats};
 

@@ -11,7 +11,7 @@
 #![forbid(unsafe_code)]
 
 use crate::replay::Timeline;
-use crate::Snapshot;
+use crate::Layout;
 use std::fmt::Write;
 
 const W: f64 = 1000.0;
@@ -270,7 +270,7 @@ const CLASSES: [(&str, &str); 5] = [
 /// laid end to end along wrapped rows (gaps between runs are not to scale). Colours: live,
 /// free, stranded (free bytes inside a handle that holds live bytes), dirty, pending; thin
 /// dark ticks mark handle boundaries. Owned but unmapped handles are listed below.
-pub fn map_svg(snap: &Snapshot, title: &str) -> String {
+pub fn map_svg(snap: &Layout, title: &str) -> String {
     const ROWS: usize = 16;
     const ROW_H: f64 = 22.0;
     const ROW_GAP: f64 = 8.0;

@@ -7,7 +7,7 @@
 //! larger class, whose every block fits: a good fit in O(1).
 #![forbid(unsafe_code)]
 
-use super::{Block, NIL};
+use super::arena::{Block, NIL};
 
 const SL: usize = 16;
 const FL: usize = 48;
@@ -244,5 +244,63 @@ mod tests {
             last = c;
         }
         assert!(class(1 << 44).0 < FL);
+    }
+
+    /// Blocks of the given sizes in 512-byte units, all listed in one `Bins`.
+    fn listed(units: &[u64]) -> (Vec<Block>, Bins) {
+        let mut blocks: Vec<Block> = units
+            .iter()
+            .enumerate()
+            .map(|(i, &u)| Block {
+                addr: (i as u64) << 40,
+                size: u << 9,
+                prev: NIL,
+                next: NIL,
+                fprev: NIL,
+                fnext: NIL,
+                pool: super::super::Pool::Large,
+                state: super::super::arena::State::Vacant,
+            })
+            .collect();
+        let mut b = Bins::default();
+        for i in 0..units.len() {
+            b.insert(&mut blocks, i as u32);
+        }
+        (blocks, b)
+    }
+
+    #[test]
+    fn find_is_a_best_fit_within_the_class_else_the_next_class() {
+        // 100 and 101 units share a class (16 per power of two above 16 units).
+        assert_eq!(class(100), class(101));
+        let (blocks, b) = listed(&[101, 100, 400, 3]);
+        b.validate(&blocks).unwrap();
+        assert_eq!((b.count, b.bytes), (4, (101 + 100 + 400 + 3) << 9));
+        assert_eq!(b.find(&blocks, 100 << 9), Some(1), "exact fit in the class");
+        assert_eq!(b.find(&blocks, 101 << 9), Some(0));
+        assert_eq!(b.find(&blocks, 102 << 9), Some(2), "next non-empty class");
+        assert_eq!(b.find(&blocks, 2 << 9), Some(3));
+        assert_eq!(b.find(&blocks, 401 << 9), None);
+        assert_eq!(b.largest(&blocks), 400 << 9);
+    }
+
+    #[test]
+    fn remove_clears_the_bitmaps_and_collect_lists_the_rest() {
+        let (mut blocks, mut b) = listed(&[101, 100, 400]);
+        b.remove(&mut blocks, 2);
+        b.validate(&blocks).unwrap();
+        assert_eq!(b.find(&blocks, 102 << 9), None);
+        assert_eq!(b.largest(&blocks), 101 << 9);
+        b.remove(&mut blocks, 0);
+        b.remove(&mut blocks, 1);
+        assert_eq!((b.count, b.bytes, b.fl), (0, 0, 0));
+        let (mut blocks, mut b) = listed(&[5, 500, 50]);
+        b.remove(&mut blocks, 1);
+        let mut all = Vec::new();
+        b.collect(&blocks, &mut all);
+        all.sort();
+        assert_eq!(all, vec![0, 2]);
+        b.count += 1;
+        assert!(b.validate(&blocks).is_err(), "a wrong count is caught");
     }
 }

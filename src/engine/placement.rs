@@ -1,0 +1,121 @@
+//! Handle-aware placement of a large allocation inside a larger free block.
+#![forbid(unsafe_code)]
+
+use super::arena::UNIT;
+
+/// At most this many handles are examined; with more, the block's start is used (many
+/// small handles: stranding is small anyway).
+const MAX_HANDLES: usize = 32;
+
+/// Where to put `rsize` bytes inside the free block `[a, a+size)` (an offset from `a`): the
+/// place that leaves the fewest bytes of wholly free handles stranded (pinned by the new
+/// allocation but not used by it). `handles` are the mapped handles as `[start, end)` in
+/// address order, from the one containing `a` (or the first after it) up to the block's end.
+/// Candidates: either end of the block, and every handle boundary inside it as the
+/// allocation's start or end. Ties keep the block's start.
+pub(crate) fn best_offset(
+    a: u64,
+    size: u64,
+    rsize: u64,
+    handles: impl IntoIterator<Item = (u64, u64)>,
+) -> u64 {
+    let e = a + size;
+    let mut hs = [(0u64, 0u64); MAX_HANDLES];
+    let mut n = 0;
+    for h in handles {
+        if n == MAX_HANDLES {
+            return 0;
+        }
+        hs[n] = h;
+        n += 1;
+    }
+    if n <= 1 {
+        return 0;
+    }
+    let hs = &hs[..n];
+    // Bytes of handles wholly inside the block that an allocation at `p` touches but does
+    // not use.
+    let cost = |p: u64| -> u64 {
+        let q = p + rsize;
+        hs.iter()
+            .filter(|h| h.0 >= a && h.1 <= e && h.0 < q && p < h.1)
+            .map(|h| (h.1 - h.0) - (h.1.min(q) - h.0.max(p)))
+            .sum()
+    };
+    let mut best = (cost(a), a);
+    let mut consider = |p: u64| {
+        if p >= a && p + rsize <= e && p % UNIT == 0 {
+            let c = cost(p);
+            if c < best.0 {
+                best = (c, p);
+            }
+        }
+    };
+    consider(e - rsize);
+    for h in hs {
+        for x in [h.0, h.1] {
+            consider(x);
+            if x >= rsize {
+                consider(x - rsize);
+            }
+        }
+    }
+    best.1 - a
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const M: u64 = 1 << 20;
+
+    #[test]
+    fn one_handle_or_none_keeps_the_start() {
+        assert_eq!(best_offset(0, 8 * M, 2 * M, []), 0);
+        assert_eq!(best_offset(0, 8 * M, 2 * M, [(0, 8 * M)]), 0);
+    }
+
+    #[test]
+    fn uses_one_handle_exactly_instead_of_straddling() {
+        // Handles of 3, 2 and 3 MiB: at the start a 2 MiB request strands 1 MiB of the
+        // first handle; on the middle handle it strands nothing.
+        let hs = [(0, 3 * M), (3 * M, 5 * M), (5 * M, 8 * M)];
+        assert_eq!(best_offset(0, 8 * M, 2 * M, hs), 3 * M);
+    }
+
+    #[test]
+    fn prefers_the_end_when_it_strands_less() {
+        // 1 MiB then 4 MiB: a 4 MiB request at the start strands 1 MiB of the second
+        // handle; at the end it uses the second handle exactly.
+        let hs = [(0, M), (M, 5 * M)];
+        assert_eq!(best_offset(0, 5 * M, 4 * M, hs), M);
+    }
+
+    #[test]
+    fn ties_keep_the_start() {
+        let hs = [(0, 2 * M), (2 * M, 4 * M)];
+        assert_eq!(best_offset(0, 4 * M, 2 * M, hs), 0);
+    }
+
+    #[test]
+    fn gives_up_past_the_handle_limit() {
+        // Half a MiB, then 1 MiB handles: a 1 MiB request is best placed at M/2 ...
+        let hs = |n: u64| {
+            std::iter::once((0, M / 2)).chain((0..n).map(|i| (M / 2 + i * M, M / 2 + (i + 1) * M)))
+        };
+        assert_eq!(best_offset(0, 3 * M / 2, M, hs(1)), M / 2);
+        // (with 32 handles, the block's end strands nothing either and is tried first)
+        assert_eq!(best_offset(0, 31 * M + M / 2, M, hs(31)), 30 * M + M / 2);
+        // ... unless there are more handles than are examined.
+        assert_eq!(best_offset(0, 32 * M + M / 2, M, hs(32)), 0);
+    }
+
+    #[test]
+    fn handles_not_wholly_inside_the_block_cost_nothing() {
+        // Block [2M, 8M) starts inside handle [0, 4M), which holds other bytes.
+        let hs = [(0, 4 * M), (4 * M, 6 * M), (6 * M, 8 * M)];
+        assert_eq!(best_offset(2 * M, 6 * M, 2 * M, hs), 0);
+        // 3 MiB ending at 6M uses [4M, 6M) whole and the rest of the partial handle.
+        assert_eq!(best_offset(2 * M, 6 * M, 3 * M, hs), M);
+    }
+}

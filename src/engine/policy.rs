@@ -1,0 +1,410 @@
+//! The growth policy: when a request fits no free block, which free handles to move, in
+//! which order, what to create, what to release. A policy only reads the engine's state and
+//! returns a [`Plan`]; `span` applies it with the driver. Alternative policies implement
+//! [`GrowthPolicy`] and can be measured side by side (`Engine::with_policy`).
+#![forbid(unsafe_code)]
+
+use super::arena::{round_up, Arena, Pool, State, NIL};
+use super::fences::OwnerId;
+use super::handles::Handles;
+use super::va::VaSpace;
+use crate::config::Resolved;
+use crate::stats::Stats;
+
+/// A whole handle that holds no live byte: a candidate for stitching or release.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Candidate {
+    pub(crate) handle: u32,
+    pub(crate) size: u64,
+    /// The free block containing it, or `NIL` when unmapped.
+    pub(crate) block: u32,
+    /// Where it is mapped (0 when unmapped).
+    pub(crate) addr: u64,
+    /// The block's owner: clean, or the requesting stream's owner (dirty: moved by
+    /// aliasing, leaving a ghost).
+    pub(crate) owner: OwnerId,
+}
+
+/// Result of an attempt to get more memory for a pool.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Grow {
+    Done,
+    /// Not enough free handles plus headroom under the capacity.
+    Short,
+    /// The driver refused to create memory below our capacity.
+    DriverOom,
+}
+
+/// How many bytes of new handles a build creates.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Create {
+    /// Exactly this many.
+    Exact(u64),
+    /// This many, or up to `min_handle` if the headroom when the build starts allows it.
+    AtLeast(u64),
+}
+
+/// One new mapped run (or the growth of a run in place).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct BuildPlan {
+    /// Free handles to move into it, any order (`span` orders them).
+    pub(crate) chosen: Vec<Candidate>,
+    pub(crate) create: Create,
+    pub(crate) pool: Pool,
+    /// Map right after this clean free block, which ends its run, and grow it.
+    pub(crate) extend: Option<u32>,
+    /// Report `Short` instead when the creation exceeds the headroom when the build starts.
+    pub(crate) short_without_room: bool,
+}
+
+/// One step of a plan.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Step {
+    /// Make the free mapped handle a page of the pool where it sits (no driver call): done.
+    Retag(Candidate, Pool),
+    /// Unmap and release these free handles, then go on.
+    Release(Vec<Candidate>),
+    /// Build a run: its result ends the plan, unless the driver refused to create memory
+    /// and a step follows.
+    Build(BuildPlan),
+    /// Not enough memory: the plan fails.
+    Short,
+}
+
+/// Steps applied in order; the last one always ends the plan.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Plan {
+    pub(crate) steps: Vec<Step>,
+}
+
+/// What a policy may read.
+pub(crate) struct PlanContext<'a> {
+    pub(crate) cfg: &'a Resolved,
+    pub(crate) stats: &'a Stats,
+    pub(crate) arena: &'a Arena,
+    pub(crate) handles: &'a Handles,
+    pub(crate) va: &'a VaSpace,
+    /// The requesting stream's owner, if it ever freed memory.
+    pub(crate) stream_owner: Option<OwnerId>,
+}
+
+impl PlanContext<'_> {
+    /// Bytes that may still be created under the capacity.
+    pub(crate) fn headroom(&self) -> u64 {
+        self.cfg.capacity - self.stats.reserved.current
+    }
+
+    /// Whole free handles: inside clean free blocks, or unmapped; with `dirty`, also those
+    /// inside free blocks of that owner (movable by aliasing only, see `ghosts`).
+    pub(crate) fn stitch_candidates(&self, dirty: Option<OwnerId>) -> Vec<Candidate> {
+        stitch_candidates(self.arena, self.handles, dirty)
+    }
+}
+
+/// A growth policy (see the module docs).
+pub(crate) trait GrowthPolicy: Send + Sync {
+    /// Whether creating memory for a request of `size` bytes is within the growth budget
+    /// (a large request then avoids over-fitting free blocks).
+    fn may_create(&self, cfg: &Resolved, stats: &Stats, size: u64) -> bool;
+
+    /// How to make room for `rsize` bytes (a multiple of `UNIT`) in `pool`.
+    fn plan(&self, ctx: &PlanContext<'_>, pool: Pool, rsize: u64) -> Plan;
+}
+
+/// Whole free handles of the arena (see [`PlanContext::stitch_candidates`]).
+pub(crate) fn stitch_candidates(
+    arena: &Arena,
+    handles: &Handles,
+    dirty: Option<OwnerId>,
+) -> Vec<Candidate> {
+    let mut list = Vec::new();
+    arena.collect_free(OwnerId::CLEAN, &mut list);
+    if let Some(k) = dirty {
+        arena.collect_free(k, &mut list);
+    }
+    let mut out = Vec::new();
+    for i in list {
+        let b = &arena.blocks[i as usize];
+        let end = b.addr + b.size;
+        let State::Free { owner, .. } = b.state else {
+            unreachable!("listed block is not free")
+        };
+        for (&ha, &id) in handles.mapped.range(b.addr..end) {
+            let size = handles.size(id);
+            if ha + size <= end {
+                out.push(Candidate {
+                    handle: id,
+                    size,
+                    block: i,
+                    addr: ha,
+                    owner,
+                });
+            }
+        }
+    }
+    for &id in &handles.unmapped {
+        out.push(Candidate {
+            handle: id,
+            size: handles.size(id),
+            block: NIL,
+            addr: 0,
+            owner: OwnerId::CLEAN,
+        });
+    }
+    out
+}
+
+/// Pick free handles to cover `need` bytes: clean ones before dirty ones (which leave a
+/// ghost behind); among each, unmapped ones first (no unmap needed), then the one that
+/// covers the remainder most tightly, else the largest, repeatedly. Takes all if they fall
+/// short.
+pub(crate) fn choose(cands: Vec<Candidate>, need: u64) -> Vec<Candidate> {
+    let (clean, dirty): (Vec<Candidate>, Vec<Candidate>) =
+        cands.into_iter().partition(|c| c.owner.is_clean());
+    let mut chosen = choose_among(clean, need);
+    let taken: u64 = chosen.iter().map(|c| c.size).sum();
+    if taken < need {
+        chosen.extend(choose_among(dirty, need - taken));
+    }
+    chosen
+}
+
+fn choose_among(mut cands: Vec<Candidate>, need: u64) -> Vec<Candidate> {
+    cands.sort_by_key(|c| (c.block != NIL, std::cmp::Reverse(c.size)));
+    let mut chosen = Vec::new();
+    let mut left = need;
+    // Unmapped handles cost no unmap: take them all first if they help.
+    while left > 0 && cands.first().is_some_and(|c| c.block == NIL) {
+        let c = cands.remove(0);
+        left = left.saturating_sub(c.size);
+        chosen.push(c);
+    }
+    while left > 0 && !cands.is_empty() {
+        // cands is sorted by size, descending: the tightest fit is the last that fits.
+        let pick = cands.iter().rposition(|c| c.size >= left).unwrap_or(0);
+        let c = cands.remove(pick);
+        left = left.saturating_sub(c.size);
+        chosen.push(c);
+    }
+    chosen
+}
+
+/// The default policy: create within the growth budget, else stitch (design/ARCHITECTURE.md
+/// 4.4); without stitching, a plain caching allocator that releases free handles at the
+/// capacity.
+#[derive(Copy, Clone, Debug, Default)]
+pub(crate) struct StitchPolicy;
+
+impl GrowthPolicy for StitchPolicy {
+    /// Within the capacity and `L + max(reserve_slack * L, reserve_slack_min)` where
+    /// `L = max(peak live, live + size)`.
+    fn may_create(&self, cfg: &Resolved, stats: &Stats, size: u64) -> bool {
+        let need = round_up(size, cfg.granularity);
+        let after = stats.reserved.current + need;
+        let live = stats.requested.peak.max(stats.requested.current + size);
+        let slack = (live as f64 * cfg.reserve_slack) as u64;
+        after <= cfg.capacity && after <= live + slack.max(cfg.reserve_slack_min)
+    }
+
+    fn plan(&self, ctx: &PlanContext<'_>, pool: Pool, rsize: u64) -> Plan {
+        let steps = match pool {
+            Pool::Small | Pool::Medium => self.paged(ctx, pool, rsize),
+            Pool::Large if ctx.cfg.stitching => self.stitch(ctx, rsize),
+            Pool::Large => self.plain(ctx, rsize),
+        };
+        Plan { steps }
+    }
+}
+
+impl StitchPolicy {
+    /// Large pool with stitching: within the budget, create (growing a run in place when
+    /// possible); if over budget or the driver refuses, remap free handles into one new span
+    /// (or after a block that ends its run), creating only the shortfall.
+    fn stitch(&self, ctx: &PlanContext<'_>, rsize: u64) -> Vec<Step> {
+        let cfg = ctx.cfg;
+        let need = round_up(rsize, cfg.granularity);
+        let cands = ctx.stitch_candidates(ctx.stream_owner);
+        let free_total: u64 = cands.iter().map(|c| c.size).sum();
+        let headroom = ctx.headroom();
+        let extension = extension_target(ctx, rsize);
+        let block_end = |b: u32| {
+            let x = &ctx.arena.blocks[b as usize];
+            x.addr + x.size
+        };
+        let build = |chosen, create, extend| {
+            Step::Build(BuildPlan {
+                chosen,
+                create: Create::Exact(create),
+                pool: Pool::Large,
+                extend,
+                short_without_room: false,
+            })
+        };
+        let mut steps = Vec::new();
+        if self.may_create(cfg, ctx.stats, rsize) {
+            // New memory, one or a few calls, no remapping; grown in place after a free
+            // block that ends its run when possible. If the driver refuses (another process
+            // holds memory), the next steps reuse free handles.
+            let in_place = extension.and_then(|(b, ext)| {
+                let create = ext.max(cfg.min_handle.min(headroom));
+                (create <= headroom && ctx.va.is_free(block_end(b), create))
+                    .then(|| build(Vec::new(), create, Some(b)))
+            });
+            steps.push(in_place.unwrap_or_else(|| {
+                build(Vec::new(), need.max(cfg.min_handle.min(headroom)), None)
+            }));
+        }
+        // Best: grow a free block that ends its run, in place, by the missing part only.
+        if let Some((b, ext)) = extension {
+            let others: Vec<Candidate> = cands.iter().copied().filter(|c| c.block != b).collect();
+            let other_total: u64 = others.iter().map(|c| c.size).sum();
+            if other_total + headroom >= ext {
+                let chosen = if other_total == 0 {
+                    Vec::new()
+                } else {
+                    choose(others, ext)
+                };
+                let taken: u64 = chosen.iter().map(|c| c.size).sum();
+                let create = shortfall(ext, taken, cfg.min_handle.min(headroom));
+                if ctx.va.is_free(block_end(b), taken + create) {
+                    steps.push(build(chosen, create, Some(b)));
+                    return steps;
+                }
+            }
+        }
+        if free_total + headroom < need {
+            steps.push(Step::Short);
+            return steps;
+        }
+        let chosen = if free_total == 0 {
+            Vec::new()
+        } else {
+            choose(cands, need)
+        };
+        let taken: u64 = chosen.iter().map(|c| c.size).sum();
+        steps.push(build(
+            chosen,
+            shortfall(need, taken, cfg.min_handle.min(headroom)),
+            None,
+        ));
+        steps
+    }
+
+    /// Large pool without stitching: create new memory; at the capacity, release free
+    /// handles first (what a plain caching allocator does on a miss).
+    fn plain(&self, ctx: &PlanContext<'_>, rsize: u64) -> Vec<Step> {
+        let need = round_up(rsize, ctx.cfg.granularity);
+        let headroom = ctx.headroom();
+        let mut steps = Vec::new();
+        if headroom < need {
+            let cands = ctx.stitch_candidates(None);
+            let free_total: u64 = cands.iter().map(|c| c.size).sum();
+            if free_total + headroom < need {
+                return vec![Step::Short];
+            }
+            steps.push(Step::Release(choose(cands, need - headroom)));
+        }
+        steps.push(Step::Build(BuildPlan {
+            chosen: Vec::new(),
+            create: Create::AtLeast(need),
+            pool: Pool::Large,
+            extend: None,
+            short_without_room: false,
+        }));
+        steps
+    }
+
+    /// A new page for a paged pool (small or medium) that fits `rsize`: a free handle of at
+    /// most a page reused where it sits (no driver call), an unmapped one mapped, a new page
+    /// created; at the capacity, a larger free handle reused in place, else free handles
+    /// stitched into a span of the pool.
+    fn paged(&self, ctx: &PlanContext<'_>, pool: Pool, rsize: u64) -> Vec<Step> {
+        let page = match pool {
+            Pool::Small => ctx.cfg.small_page,
+            _ => ctx.cfg.medium_page,
+        };
+        let g = ctx.cfg.granularity;
+        let cands = ctx.stitch_candidates(None);
+        let smallest = |mapped: bool, max: u64| {
+            cands
+                .iter()
+                .filter(|c| c.size >= rsize && (c.block != NIL) == mapped && c.size <= max)
+                .min_by_key(|c| c.size)
+                .copied()
+        };
+        let build = |chosen, create, short_without_room| {
+            Step::Build(BuildPlan {
+                chosen,
+                create: Create::Exact(create),
+                pool,
+                extend: None,
+                short_without_room,
+            })
+        };
+        if let Some(c) = smallest(true, page) {
+            return vec![Step::Retag(c, pool)];
+        }
+        if let Some(c) = smallest(false, page) {
+            return vec![build(vec![c], 0, false)];
+        }
+        let mut steps = Vec::new();
+        let headroom = ctx.headroom() / g * g;
+        let want = page.max(round_up(rsize, g));
+        if headroom >= round_up(rsize, g) {
+            steps.push(build(Vec::new(), want.min(headroom), false));
+        }
+        // At the capacity: a larger free handle becomes a (larger) page where it sits.
+        if let Some(c) = smallest(true, u64::MAX) {
+            steps.push(Step::Retag(c, pool));
+            return steps;
+        }
+        // Else stitch free handles (unmapped first) into one span for this pool, if they
+        // and the headroom left then cover it.
+        let need = round_up(rsize, g);
+        let chosen = choose(cands, need);
+        let taken: u64 = chosen.iter().map(|c| c.size).sum();
+        steps.push(build(chosen, need.saturating_sub(taken), true));
+        steps
+    }
+}
+
+/// Bytes to create when `taken` of `need` bytes come from free handles: none if covered,
+/// else the rest but at least `floor`.
+fn shortfall(need: u64, taken: u64, floor: u64) -> u64 {
+    let short = need.saturating_sub(taken);
+    if short > 0 {
+        short.max(floor)
+    } else {
+        0
+    }
+}
+
+/// The largest clean free block of the large pool that ends its run with enough free
+/// address space after it to grow to `rsize` bytes; returns it and the bytes to add.
+pub(crate) fn extension_target(ctx: &PlanContext<'_>, rsize: u64) -> Option<(u32, u64)> {
+    let g = ctx.cfg.granularity;
+    let blocks = &ctx.arena.blocks;
+    let mut list = Vec::new();
+    ctx.arena.bins[OwnerId::CLEAN.index()][Pool::Large as usize].collect(blocks, &mut list);
+    let mut best: Option<(u32, u64)> = None;
+    for i in list {
+        let b = &blocks[i as usize];
+        // Only worth it when the block is a large part of the request; a small leftover
+        // would make the new allocation share a handle with its neighbour.
+        if b.next != NIL || b.size >= rsize || b.size < rsize / 2 {
+            continue;
+        }
+        let ext = round_up(rsize - b.size, g);
+        let end = b.addr + b.size;
+        if end % g != 0 || !ctx.va.is_free(end, ext) {
+            continue;
+        }
+        if best.is_none_or(|(j, _)| blocks[j as usize].size < b.size) {
+            best = Some((i, ext));
+        }
+    }
+    best
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,188 @@
+use super::*;
+use crate::driver::{Driver, SimDriver, Stream};
+use crate::engine::Engine;
+use crate::Config;
+
+const M: u64 = 1 << 20;
+
+fn cand(handle: u32, size: u64, mapped: bool, owner: OwnerId) -> Candidate {
+    Candidate {
+        handle,
+        size,
+        block: if mapped { 100 + handle } else { NIL },
+        addr: if mapped { u64::from(handle) << 30 } else { 0 },
+        owner,
+    }
+}
+
+fn ids(v: &[Candidate]) -> Vec<u32> {
+    v.iter().map(|c| c.handle).collect()
+}
+
+#[test]
+fn choose_takes_unmapped_first_then_the_tightest_then_the_largest() {
+    let c = OwnerId::CLEAN;
+    let cands = vec![
+        cand(0, 8 * M, true, c),
+        cand(1, 2 * M, false, c),
+        cand(2, 4 * M, true, c),
+        cand(3, 16 * M, true, c),
+    ];
+    // 2 MiB unmapped first; 4 MiB left: the 4 MiB handle fits it exactly.
+    assert_eq!(ids(&choose(cands.clone(), 6 * M)), vec![1, 2]);
+    // 5 MiB left after the unmapped one: 8 MiB is the tightest that covers it.
+    assert_eq!(ids(&choose(cands.clone(), 7 * M)), vec![1, 0]);
+    // 40 MiB left: none covers it, take the largest, then the tightest for the rest.
+    assert_eq!(ids(&choose(cands.clone(), 22 * M)), vec![1, 3, 2]);
+    // More than all: everything.
+    assert_eq!(choose(cands, 100 * M).len(), 4);
+}
+
+#[test]
+fn choose_uses_dirty_handles_only_for_what_clean_ones_miss() {
+    let d = OwnerId(1);
+    let cands = vec![
+        cand(0, 4 * M, true, d),
+        cand(1, 4 * M, true, OwnerId::CLEAN),
+        cand(2, 2 * M, false, d),
+    ];
+    assert_eq!(ids(&choose(cands.clone(), 4 * M)), vec![1]);
+    // Clean covers 4 of 6 MiB; of the dirty ones the unmapped comes first.
+    assert_eq!(ids(&choose(cands, 6 * M)), vec![1, 2]);
+}
+
+#[test]
+fn shortfall_is_zero_when_covered_and_at_least_the_floor() {
+    assert_eq!(shortfall(8 * M, 8 * M, 2 * M), 0);
+    assert_eq!(shortfall(8 * M, 10 * M, 2 * M), 0);
+    assert_eq!(shortfall(8 * M, 7 * M, 2 * M), 2 * M);
+    assert_eq!(shortfall(8 * M, 4 * M, 2 * M), 4 * M);
+}
+
+fn engine(cfg: Config) -> (SimDriver, Engine) {
+    let d = SimDriver::with_capacity(64 * M);
+    let r = cfg.resolve(d.granularity(), d.mem_info().unwrap()).unwrap();
+    let e = Engine::new(&d, r).unwrap();
+    (d, e)
+}
+
+fn plan(e: &Engine, pool: Pool, rsize: u64) -> Plan {
+    let ctx = PlanContext {
+        cfg: &e.cfg,
+        stats: &e.stats,
+        arena: &e.arena,
+        handles: &e.handles,
+        va: &e.va,
+        stream_owner: e.fences.owner_index(Stream::DEFAULT),
+    };
+    e.policy.plan(&ctx, pool, rsize)
+}
+
+fn layout_json(e: &Engine) -> String {
+    serde_json::to_string(&e.layout()).unwrap()
+}
+
+#[test]
+fn over_budget_a_large_request_grows_a_free_block_in_place_with_another_free_handle() {
+    let (d, mut e) = engine(Config::default().with_reserve_slack(0.0, 0));
+    let s = Stream::DEFAULT;
+    let p: Vec<u64> = (0..4).map(|_| e.alloc(&d, 8 * M, s).unwrap()).collect();
+    e.free(&d, p[0], s).unwrap();
+    e.free(&d, p[2], s).unwrap();
+    e.poll(&d, true).unwrap(); // make the frees clean
+    let before = layout_json(&e);
+    let got = plan(&e, Pool::Large, 16 * M);
+    assert_eq!(layout_json(&e), before, "planning changes nothing");
+    let [Step::Build(b)] = &got.steps[..] else {
+        panic!("one build expected: {got:?}")
+    };
+    assert_eq!(b.create, Create::Exact(0));
+    assert_eq!((b.chosen.len(), b.chosen[0].size), (1, 8 * M));
+    let grown = b.extend.expect("grown in place");
+    assert_ne!(b.chosen[0].block, grown, "the other free handle is moved");
+    // Applying it is what the engine does for that request.
+    e.alloc(&d, 16 * M, s).unwrap();
+    assert_eq!((e.stats.stitches, e.stats.extensions), (1, 1));
+    e.validate().unwrap();
+    e.teardown(&d);
+}
+
+#[test]
+fn within_budget_a_large_request_creates_first_and_stitches_if_the_driver_refuses() {
+    let (d, mut e) = engine(Config::default());
+    let s = Stream::DEFAULT;
+    let p = e.alloc(&d, 8 * M, s).unwrap();
+    e.free(&d, p, s).unwrap();
+    e.poll(&d, true).unwrap();
+    let got = plan(&e, Pool::Large, 24 * M);
+    let [Step::Build(first), Step::Build(second)] = &got.steps[..] else {
+        panic!("a create, then a fallback: {got:?}")
+    };
+    // The free 8 MiB block is under half the request: no growth in place.
+    assert_eq!((first.extend, second.extend), (None, None));
+    assert!(first.chosen.is_empty());
+    assert_eq!(first.create, Create::Exact(24 * M));
+    assert_eq!((second.chosen.len(), second.chosen[0].size), (1, 8 * M));
+    assert_eq!(second.create, Create::Exact(16 * M));
+    e.teardown(&d);
+}
+
+/// A policy that never grows: every miss is out of memory.
+struct Never;
+
+impl GrowthPolicy for Never {
+    fn may_create(&self, _: &Resolved, _: &Stats, _: u64) -> bool {
+        false
+    }
+    fn plan(&self, _: &PlanContext<'_>, _: Pool, _: u64) -> Plan {
+        Plan {
+            steps: vec![Step::Short],
+        }
+    }
+}
+
+#[test]
+fn the_engine_applies_whichever_policy_it_is_given() {
+    let (d, mut e) = engine(Config::default());
+    e.set_policy(Box::new(Never));
+    let err = e.alloc(&d, 8 * M, Stream::DEFAULT).unwrap_err();
+    assert!(matches!(err, crate::AllocError::OutOfMemory(_)), "{err}");
+    assert_eq!(e.stats.handles_created, 0);
+    e.set_policy(Box::new(StitchPolicy));
+    e.alloc(&d, 8 * M, Stream::DEFAULT).unwrap();
+    e.teardown(&d);
+}
+
+#[test]
+fn a_small_request_reuses_a_free_page_sized_handle_where_it_sits() {
+    let (d, mut e) = engine(Config::default().with_small_threshold(1 << 16));
+    let s = Stream::DEFAULT;
+    let p = e.alloc(&d, 2 * M, s).unwrap();
+    e.free(&d, p, s).unwrap();
+    e.poll(&d, true).unwrap();
+    let got = plan(&e, Pool::Small, 4096);
+    assert!(
+        matches!(&got.steps[..], [Step::Retag(c, Pool::Small)] if c.size == 2 * M),
+        "{got:?}"
+    );
+    e.teardown(&d);
+}
+
+#[test]
+fn without_stitching_at_the_capacity_free_handles_are_released_first() {
+    let (d, mut e) = engine(Config::default().with_stitching(false));
+    let s = Stream::DEFAULT;
+    let cap = e.cfg.capacity;
+    let p = e.alloc(&d, cap / 2, s).unwrap();
+    let _q = e.alloc(&d, cap / 2, s).unwrap();
+    e.free(&d, p, s).unwrap();
+    e.poll(&d, true).unwrap();
+    let got = plan(&e, Pool::Large, cap / 4 + 4 * M);
+    let [Step::Release(r), Step::Build(b)] = &got.steps[..] else {
+        panic!("release then create: {got:?}")
+    };
+    assert!(!r.is_empty());
+    assert_eq!(b.create, Create::AtLeast(cap / 4 + 4 * M));
+    assert_eq!(plan(&e, Pool::Large, cap).steps, vec![Step::Short]);
+    e.teardown(&d);
+}
