@@ -766,8 +766,10 @@ mod tests {
             .resolve(G, DEV)
             .unwrap();
         assert_eq!((r.medium_threshold, r.medium_page), (MIB, G));
-        let mut c = Config::default();
-        c.medium_page = u64::MAX;
+        let mut c = Config {
+            medium_page: u64::MAX,
+            ..Config::default()
+        };
         assert!(c.resolve(G, DEV).is_err(), "above 1 PiB");
         c.medium_page = MAX_BYTES;
         assert_eq!(c.resolve(G, DEV).unwrap().medium_page, 128 * MIB);
