@@ -26,12 +26,18 @@
  *                               default 16 GiB host, 139.8 GiB sim). Excludes
  *                               capacity_fraction.
  *   small_threshold:N           requests up to N bytes share small pages (default 1MiB)
- *   min_handle:N, max_handle:N  smallest / largest physical handle (default 2MiB / 128MiB)
+ *   small_page:N                size of one small page (default: the granularity)
+ *   min_handle:N, max_handle:N  smallest / largest physical handle (default: the
+ *                               granularity, 2MiB on CUDA / 128MiB)
  *   stitching:true|false        remap free handles into new spans (default true)
- *   reserve_slack:F             growth slack before free handles are reused (default 0.01)
+ *   reserve_slack:F             growth slack before free handles are reused, F in
+ *                               [0, 1000] (default 0.01)
  *   reserve_slack_min:SIZE      floor under that slack (default 64MiB)
  *   medium_threshold:N, medium_page:N
  *                               pack requests up to N into shared pages (default off)
+ *   va_chunk:N, va_limit:N      size of each address reservation (default 4x the
+ *                               capacity) / of all together (default 32TiB)
+ *   paranoid:true|false         check every invariant after each call (slow; default false)
  *   log:off|error|warn|info|debug|trace
  *                               stderr logging level (default warn)
  *   devices:N                   host/sim: device ordinals served (default 8); cuda: at most
@@ -39,8 +45,10 @@
  *   on_oom:null|abort           out of memory: return NULL (default) or print the diagnosis
  *                               and abort the process
  *
- * Sizes take a binary unit: 4096, 512KiB, 128MiB (or 128M), 1GiB, 2TiB. KB/MB/GB are
- * refused as ambiguous. An unknown key or a bad value is rejected loudly: it is printed to
+ * The keys after capacity_bytes are the fields of the Rust Config (same names, meanings,
+ * defaults and checks). Sizes: 4096, 512KiB, 128MiB (or 128M), 1.5GiB, 2TiB: KiB/MiB/GiB/TiB
+ * (or K/M/G/T) are powers of 1024; kB/MB/GB/TB are powers of 1000 (1MB = 1000000 bytes);
+ * at most 1 PiB. An unknown key or a bad value is rejected loudly: it is printed to
  * stderr once, no allocator is created, every stitch_malloc returns NULL and
  * stitch_last_error() says why.
  *

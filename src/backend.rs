@@ -5,6 +5,75 @@ use crate::driver::{
     CudaDriver, DevAddr, Driver, DriverError, DriverResult, EventId, HostDriver, MemInfo,
     PhysHandle, SimDriver, Stream,
 };
+use serde::{Deserialize, Deserializer, Serialize};
+use std::fmt;
+use std::str::FromStr;
+
+/// The crate's backends by name: the one list, used by [`AnyDriver::open`], the C ABI
+/// (`backend:` in `STITCH_ALLOC_CONF`) and the `stitch` command (`--backend`). Parsed
+/// case-insensitively from `auto`, `cuda`, `host`, `sim` ([`FromStr`], serde).
+///
+/// What `Auto` falls back to without a usable GPU is each entry point's choice:
+/// [`AnyDriver::auto`] and `stitch replay` take the simulator, the C ABI and `stitch demo`
+/// host memory.
+///
+/// ```
+/// use stitch_alloc::Backend;
+/// assert_eq!(" SIM ".parse::<Backend>().unwrap(), Backend::Sim);
+/// assert_eq!(Backend::Host.to_string(), "host");
+/// assert!("tpu".parse::<Backend>().is_err());
+/// ```
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    /// A CUDA device when one is usable, else the entry point's fallback.
+    #[default]
+    Auto,
+    /// A real GPU through the CUDA driver ([`CudaDriver`]).
+    Cuda,
+    /// Operating-system virtual memory ([`HostDriver`]).
+    Host,
+    /// The accounting-only simulator ([`SimDriver`]).
+    Sim,
+}
+
+impl Backend {
+    /// Every backend, in the order of [`AnyDriver::NAMES`].
+    pub const ALL: [Backend; 4] = [Backend::Auto, Backend::Sim, Backend::Host, Backend::Cuda];
+
+    /// The backend's name, as parsed.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Backend::Auto => "auto",
+            Backend::Cuda => "cuda",
+            Backend::Host => "host",
+            Backend::Sim => "sim",
+        }
+    }
+}
+
+impl fmt::Display for Backend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Backend {
+    type Err = BackendError;
+    fn from_str(s: &str) -> Result<Self, BackendError> {
+        let name = s.trim().to_ascii_lowercase();
+        Backend::ALL
+            .into_iter()
+            .find(|b| b.name() == name)
+            .ok_or_else(|| BackendError::UnknownName(s.to_string()))
+    }
+}
+
+impl<'de> Deserialize<'de> for Backend {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        crate::config::de_parsed(d)
+    }
+}
 
 /// Any of the crate's backends, chosen at run time (for command-line tools, benchmarks and
 /// tests that run on a GPU when there is one and on the simulator otherwise).
@@ -27,7 +96,7 @@ pub enum AnyDriver {
     Cuda(CudaDriver),
 }
 
-/// Why [`AnyDriver::from_name`] could not give a driver.
+/// Why [`AnyDriver::from_name`] or [`AnyDriver::open`] could not give a driver.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum BackendError {
@@ -46,8 +115,13 @@ pub enum BackendError {
 }
 
 impl AnyDriver {
-    /// The names [`AnyDriver::from_name`] accepts.
-    pub const NAMES: [&'static str; 4] = ["auto", "sim", "host", "cuda"];
+    /// The names [`AnyDriver::from_name`] accepts (those of [`Backend::ALL`]).
+    pub const NAMES: [&'static str; 4] = [
+        Backend::ALL[0].name(),
+        Backend::ALL[1].name(),
+        Backend::ALL[2].name(),
+        Backend::ALL[3].name(),
+    ];
 
     /// CUDA device 0 when [`CudaDriver::available`], else a simulated H200
     /// ([`SimDriver::new`]). Never fails: if the GPU cannot be opened after all, the reason is
@@ -81,24 +155,27 @@ impl AnyDriver {
     /// }
     /// ```
     pub fn from_name(name: &str) -> Result<Self, BackendError> {
-        match name.trim().to_ascii_lowercase().as_str() {
-            "auto" => Ok(Self::auto()),
-            "sim" => Ok(AnyDriver::Sim(SimDriver::new())),
-            "host" => {
-                HostDriver::new()
-                    .map(AnyDriver::Host)
-                    .map_err(|source| BackendError::Unavailable {
-                        name: "host",
-                        source,
-                    })
-            }
-            "cuda" => CudaDriver::new(0).map(AnyDriver::Cuda).map_err(|source| {
-                BackendError::Unavailable {
-                    name: "cuda",
-                    source,
-                }
-            }),
-            _ => Err(BackendError::UnknownName(name.to_string())),
+        Self::open(name.parse()?)
+    }
+
+    /// The driver of `backend`: [`AnyDriver::auto`], [`SimDriver::new`], [`HostDriver::new`]
+    /// or CUDA device 0.
+    ///
+    /// ```
+    /// use stitch_alloc::{AnyDriver, Backend, Driver};
+    /// assert_eq!(AnyDriver::open(Backend::Sim).unwrap().name(), "sim");
+    /// ```
+    pub fn open(backend: Backend) -> Result<Self, BackendError> {
+        let unavailable = |name| move |source| BackendError::Unavailable { name, source };
+        match backend {
+            Backend::Auto => Ok(Self::auto()),
+            Backend::Sim => Ok(AnyDriver::Sim(SimDriver::new())),
+            Backend::Host => HostDriver::new()
+                .map(AnyDriver::Host)
+                .map_err(unavailable("host")),
+            Backend::Cuda => CudaDriver::new(0)
+                .map(AnyDriver::Cuda)
+                .map_err(unavailable("cuda")),
         }
     }
 
@@ -225,6 +302,25 @@ mod tests {
                 assert!(AnyDriver::from_name(n).is_ok(), "{n}");
             }
         }
+    }
+
+    #[test]
+    fn one_backend_enum() {
+        for (b, n) in Backend::ALL.into_iter().zip(AnyDriver::NAMES) {
+            assert_eq!(b.name(), n);
+            assert_eq!(n.parse::<Backend>().unwrap(), b);
+            assert_eq!(n.to_ascii_uppercase().parse::<Backend>().unwrap(), b);
+            let j = serde_json::to_string(&b).unwrap();
+            assert_eq!(j, format!("\"{n}\""));
+            assert_eq!(serde_json::from_str::<Backend>(&j).unwrap(), b);
+        }
+        assert_eq!(Backend::default(), Backend::Auto);
+        assert!(matches!(
+            "gpu".parse::<Backend>(),
+            Err(BackendError::UnknownName(n)) if n == "gpu"
+        ));
+        assert!(serde_json::from_str::<Backend>("\"gpu\"").is_err());
+        assert_eq!(AnyDriver::open(Backend::Host).unwrap().name(), "host");
     }
 
     #[test]

@@ -46,8 +46,8 @@ pub mod testing;
 pub mod trace;
 
 pub use allocator::{Allocator, Buffer, DevicePtr, ShutdownReport};
-pub use backend::{AnyDriver, BackendError};
-pub use config::{Capacity, Config};
+pub use backend::{AnyDriver, Backend, BackendError};
+pub use config::{parse_size, Capacity, Config, MAX_BYTES, MAX_RESERVE_SLACK};
 pub use driver::{CudaDriver, Driver, Stream};
 pub use engine::{BlockView, HandleView, Layout, Pool, StrandedHandle};
 pub use error::{AllocError, OomReport, Result};

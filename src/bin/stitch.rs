@@ -2,6 +2,7 @@
 //! show what stitching is worth (`stitch demo`).
 #![forbid(unsafe_code)]
 
+use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -12,8 +13,7 @@ use stitch_alloc::driver::{CudaDriver, CudaStream, Driver, HostDriver, SimDriver
 use stitch_alloc::replay::{replay, CostModel, Meter, Metered, ReplayOptions, ReplayReport};
 use stitch_alloc::trace::gen::{self, Kind, Scale};
 use stitch_alloc::trace::{self, Format, ReadOptions, Trace};
-use stitch_alloc::Stream;
-use stitch_alloc::{plot, Allocator, Capacity, Config};
+use stitch_alloc::{parse_size, plot, Allocator, Backend, Capacity, Config, Stream};
 
 /// `println!` that ignores a closed pipe (`stitch ... | head` must not panic).
 macro_rules! out {
@@ -55,16 +55,40 @@ enum Cmd {
     Map(MapArgs),
 }
 
-#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
-enum Backend {
-    /// CUDA device 0 when a usable GPU and driver are found, else the simulator.
-    Auto,
-    /// SimDriver: an accounting-only simulated GPU (default: an H200, 139.8 GiB).
-    Sim,
-    /// HostDriver: real host memory, remapped with mmap and memfd (default 16 GiB).
-    Host,
-    /// A real GPU (device 0) through the CUDA driver, loaded at run time.
-    Cuda,
+/// `--backend`: the library's [`Backend`], each value explained; `auto` says what it falls
+/// back to without a GPU (the command's choice).
+fn backend_parser(auto: &'static str) -> impl TypedValueParser<Value = Backend> {
+    let values = Backend::ALL.map(|b| {
+        PossibleValue::new(b.name()).help(match b {
+            Backend::Auto => auto,
+            Backend::Sim => {
+                "SimDriver: an accounting-only simulated GPU (default: an H200, 139.8 GiB)"
+            }
+            Backend::Host => {
+                "HostDriver: real host memory, remapped with mmap and memfd (default 16 GiB)"
+            }
+            Backend::Cuda => "A real GPU (device 0) through the CUDA driver, loaded at run time",
+        })
+    });
+    PossibleValuesParser::new(values).map(|name| {
+        name.parse::<Backend>()
+            .expect("clap gives one of the backends' names")
+    })
+}
+
+/// Help text for an allocator flag: what it sets in [`Config`] and that field's default.
+fn config_help(what: &str, field: &str, default: String) -> String {
+    format!("{what} (Config::{field}; default {default})")
+}
+
+/// A byte count as help text shows it.
+fn size_text(b: u64) -> String {
+    match b {
+        0 => "0".to_string(),
+        b if b % (1 << 30) == 0 => format!("{} GiB", b >> 30),
+        b if b % (1 << 20) == 0 => format!("{} MiB", b >> 20),
+        b => format!("{b} bytes"),
+    }
 }
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
@@ -77,33 +101,66 @@ enum FormatArg {
     Pytorch,
 }
 
+/// The allocator's flags: each sets a field of [`Config`] (whose defaults are the only
+/// ones); sizes are read by [`parse_size`], as in `STITCH_ALLOC_CONF`.
 #[derive(Args, Clone)]
 struct AllocArgs {
     /// The device backend.
-    #[arg(long, value_enum, default_value = "auto")]
+    #[arg(long, default_value = "auto", value_parser = backend_parser(
+        "CUDA device 0 when a usable GPU and driver are found, else the simulator"))]
     backend: Backend,
-    /// Device capacity in bytes (suffixes: KiB, MiB, GiB, TiB, KB, MB, GB, TB).
-    #[arg(long, value_parser = parse_bytes)]
+    /// Device capacity in bytes (sim, host: the device's size; cuda: Config::capacity).
+    /// Sizes: KiB, MiB, GiB, TiB (or K, M, G, T) are powers of 1024; kB, MB, GB, TB powers
+    /// of 1000; fractions such as 1.5GiB are rounded down to a byte.
+    #[arg(long, value_parser = parse_size)]
     capacity: Option<u64>,
-    /// Turn stitching off (the baseline: release and re-create instead).
+    /// Turn stitching off (Config::stitching; the baseline: release and re-create instead).
     #[arg(long)]
     no_stitch: bool,
-    /// Smallest handle created for a large request (default: the granularity).
-    #[arg(long, value_parser = parse_bytes)]
+    #[arg(long, value_parser = parse_size, help = config_help(
+        "Smallest handle created for a large request", "min_handle", "the granularity".into()))]
     min_handle: Option<u64>,
-    /// Largest single handle (default 128 MiB).
-    #[arg(long, value_parser = parse_bytes)]
+    #[arg(long, value_parser = parse_size, help = config_help(
+        "Largest single handle", "max_handle", size_text(Config::default().max_handle)))]
     max_handle: Option<u64>,
-    /// Growth slack: create new memory while reserved stays within (1 + slack) x peak live,
-    /// reuse (stitch) free handles past it (default 0.01).
-    #[arg(long)]
+    #[arg(long, help = config_help(
+        "Growth slack: create new memory while reserved stays within (1 + slack) x peak live, \
+         reuse (stitch) free handles past it",
+        "reserve_slack", Config::default().reserve_slack.to_string()))]
     reserve_slack: Option<f64>,
-    /// Floor under the growth slack, in bytes (default 64 MiB).
-    #[arg(long, value_parser = parse_bytes)]
+    #[arg(long, value_parser = parse_size, help = config_help(
+        "Floor under the growth slack, in bytes",
+        "reserve_slack_min", size_text(Config::default().reserve_slack_min)))]
     reserve_slack_min: Option<u64>,
-    /// Check every allocator invariant after each operation (slow).
+    /// Check every allocator invariant after each operation (Config::paranoid; slow).
     #[arg(long)]
     paranoid: bool,
+}
+
+impl AllocArgs {
+    /// The allocator's configuration: the defaults, with each flag given set. The capacity
+    /// limits the allocator on a real GPU only (on sim and host it sizes the device).
+    fn config(&self, on_cuda: bool) -> Config {
+        let mut c = Config::default()
+            .with_stitching(!self.no_stitch)
+            .with_paranoid(self.paranoid);
+        if let Some(v) = self.min_handle {
+            c.min_handle = Some(v);
+        }
+        if let Some(v) = self.max_handle {
+            c.max_handle = v;
+        }
+        if let Some(v) = self.reserve_slack {
+            c.reserve_slack = v;
+        }
+        if let Some(v) = self.reserve_slack_min {
+            c.reserve_slack_min = v;
+        }
+        if let (Some(b), true) = (self.capacity, on_cuda) {
+            c.capacity = Capacity::Bytes(b);
+        }
+        c
+    }
 }
 
 #[derive(Args, Clone)]
@@ -172,7 +229,8 @@ struct DemoArgs {
     /// (filling about 129 GB of it), else on the host backend: real host memory remapped with
     /// mmap and memfd, sized like an H200 (139.8 GiB of address space; pages are never
     /// touched, so it costs no RAM). `sim` is the accounting-only simulated H200.
-    #[arg(long, value_enum, default_value = "auto")]
+    #[arg(long, default_value = "auto", value_parser = backend_parser(
+        "CUDA device 0 when a usable GPU and driver are found, else host memory sized like an H200"))]
     backend: Backend,
 }
 
@@ -194,39 +252,6 @@ struct MapArgs {
     /// Output SVG.
     #[arg(long, value_name = "OUT.svg")]
     out: PathBuf,
-}
-
-/// Parse a byte count with an optional unit suffix.
-fn parse_bytes(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == '_'))
-        .unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let num = num.replace('_', "");
-    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kib" => 1 << 10,
-        "m" | "mib" => 1 << 20,
-        "g" | "gib" => 1 << 30,
-        "t" | "tib" => 1 << 40,
-        "kb" => 1_000,
-        "mb" => 1_000_000,
-        "gb" => 1_000_000_000,
-        "tb" => 1_000_000_000_000,
-        u => return Err(format!("unknown unit {u:?} in {s:?}")),
-    };
-    if num.contains('.') {
-        let v: f64 = num.parse().map_err(|_| format!("{s:?} is not a size"))?;
-        if !(v.is_finite() && v >= 0.0) {
-            return Err(format!("{s:?} is not a size"));
-        }
-        Ok((v * mult as f64) as u64)
-    } else {
-        let v: u64 = num.parse().map_err(|_| format!("{s:?} is not a size"))?;
-        v.checked_mul(mult)
-            .ok_or_else(|| format!("{s:?} is too large"))
-    }
 }
 
 type Dyn = Metered<Arc<dyn Driver>>;
@@ -329,27 +354,7 @@ fn build_with(a: &AllocArgs, cost: CostModel) -> Result<Built, String> {
     let (drv, describe) = make_driver(a)?;
     let cuda = CUDA.with(|c| c.borrow_mut().take());
     let meter = Meter::new(cost);
-    let mut cfg = Config::default()
-        .with_stitching(!a.no_stitch)
-        .with_paranoid(a.paranoid);
-    if a.reserve_slack.is_some() || a.reserve_slack_min.is_some() {
-        let d = Config::default();
-        cfg = cfg.with_reserve_slack(
-            a.reserve_slack.unwrap_or(d.reserve_slack),
-            a.reserve_slack_min.unwrap_or(d.reserve_slack_min),
-        );
-    }
-    if let (Some(c), "cuda") = (a.capacity, drv.name()) {
-        // On a real GPU the capacity limits the allocator, not the device.
-        cfg = cfg.with_capacity(Capacity::Bytes(c));
-    }
-    if a.min_handle.is_some() || a.max_handle.is_some() {
-        let d = Config::default();
-        cfg = cfg.with_handle_sizes(
-            a.min_handle.unwrap_or(d.min_handle),
-            a.max_handle.unwrap_or(d.max_handle),
-        );
-    }
+    let cfg = a.config(drv.name() == "cuda");
     let alloc = Allocator::new(Metered::new(drv, meter.clone()), cfg)
         .map_err(|e| format!("cannot create the allocator: {e}"))?;
     Ok(Built {
@@ -825,17 +830,81 @@ fn main() -> ExitCode {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_bytes;
+    use super::*;
+    use clap::CommandFactory;
+
+    fn alloc_args(args: &[&str]) -> AllocArgs {
+        let argv = ["stitch", "info"].iter().chain(args);
+        match Cli::try_parse_from(argv).unwrap().cmd {
+            Cmd::Info(i) => i.alloc,
+            _ => unreachable!(),
+        }
+    }
 
     #[test]
-    fn sizes() {
-        assert_eq!(parse_bytes("4096"), Ok(4096));
-        assert_eq!(parse_bytes("8GiB"), Ok(8 << 30));
-        assert_eq!(parse_bytes("1.5 GiB"), Ok(3 << 29));
-        assert_eq!(parse_bytes("129GB"), Ok(129_000_000_000));
-        assert_eq!(parse_bytes("2m"), Ok(2 << 20));
-        assert!(parse_bytes("lots").is_err());
-        assert!(parse_bytes("12 parsecs").is_err());
-        assert!(parse_bytes("99999999999999TiB").is_err());
+    fn cli_is_well_formed() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn flags_set_config_fields() {
+        let a = alloc_args(&[]);
+        assert_eq!(a.backend, Backend::Auto);
+        assert_eq!(a.config(false), Config::default());
+        let a = alloc_args(&[
+            "--backend=sim",
+            "--capacity=1MB",
+            "--no-stitch",
+            "--min-handle=4MiB",
+            "--max-handle=64M",
+            "--reserve-slack=0.5",
+            "--reserve-slack-min=1.5GiB",
+            "--paranoid",
+        ]);
+        assert_eq!(a.backend, Backend::Sim);
+        // The one size parser: SI units are powers of 1000, as in STITCH_ALLOC_CONF.
+        assert_eq!(a.capacity, Some(1_000_000));
+        assert_eq!(a.capacity, parse_size("1MB").ok());
+        let want = Config::default()
+            .with_stitching(false)
+            .with_handle_sizes(4 << 20, 64 << 20)
+            .with_reserve_slack(0.5, 3 << 29)
+            .with_paranoid(true);
+        assert_eq!(a.config(false), want);
+        assert_eq!(
+            a.config(true),
+            want.with_capacity(Capacity::Bytes(1_000_000))
+        );
+        for bad in [
+            &["--capacity=12 parsecs"][..],
+            &["--max-handle=99999999999999TiB"],
+            &["--backend=tpu"],
+        ] {
+            assert!(
+                Cli::try_parse_from(["stitch", "info"].iter().chain(bad)).is_err(),
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn help_names_the_config_defaults() {
+        let help = Cli::command()
+            .find_subcommand_mut("replay")
+            .unwrap()
+            .render_help()
+            .to_string();
+        assert!(
+            help.contains("Config::max_handle; default 128 MiB"),
+            "{help}"
+        );
+        assert!(
+            help.contains("Config::reserve_slack; default 0.01"),
+            "{help}"
+        );
+        assert!(
+            help.contains("Config::reserve_slack_min; default 64 MiB"),
+            "{help}"
+        );
     }
 }

@@ -1,0 +1,346 @@
+//! The C ABI: `libstitch_alloc.so`, the library PyTorch loads through
+//! `torch.cuda.memory.CUDAPluggableAllocator`, usable from any C program.
+//!
+//! `include/stitch_alloc.h` is the C view of this module; keep the two in step. This file
+//! holds the `extern "C"` exports only; behind them:
+//!
+//! * `conf`: `STITCH_ALLOC_CONF`, read once, at the first call of any function here: a
+//!   comma-separated `key:value` list in the style of `PYTORCH_CUDA_ALLOC_CONF` (see
+//!   [`CONF_KEYS`] and the header): the C ABI's own keys and every field of
+//!   [`Config`](crate::Config) but its capacity. An unknown key or a bad value is rejected
+//!   loudly: it is printed to stderr once, no allocator is created, every allocation
+//!   returns NULL and [`stitch_last_error`] says why.
+//! * `runtime`: one [`Allocator`](crate::Allocator) per device, created on the device's first
+//!   use, kept in a process-wide table for the life of the process (it is never dropped: the
+//!   process's exit returns the memory).
+//! * `stats`: the document of [`stitch_stats_json`], one typed struct per object.
+//! * `guard`: nothing crosses the boundary as a panic: every export runs under
+//!   `catch_unwind`. A failure (a NULL from [`stitch_malloc`], an invalid pointer given to
+//!   [`stitch_free`], a device out of range, ...) is logged through `tracing` and kept as the
+//!   calling thread's last error. Pointers given in are never dereferenced: they are looked
+//!   up in the allocator's tables, so freeing an unknown pointer, a pointer inside an
+//!   allocation or the same pointer twice is an error report, never undefined behaviour.
+//!
+//! No function here has a safety precondition (none reads through a pointer it is given), so
+//! this module holds no `unsafe` code; `#[no_mangle]` is the only reason it is not under
+//! `forbid(unsafe_code)` (its submodules are).
+
+mod conf;
+mod guard;
+mod runtime;
+mod stats;
+
+use self::conf::OnOom;
+use self::guard::{describe, first_time, guard, report, to_cstring};
+use self::runtime::runtime;
+use crate::{AllocError, DevicePtr, Stream};
+use std::cell::RefCell;
+use std::ffi::{c_char, c_double, c_int, c_void, CStr, CString};
+use std::sync::atomic::Ordering;
+
+/// The environment variable read for the configuration.
+pub const CONF_ENV: &str = "STITCH_ALLOC_CONF";
+
+/// The keys `STITCH_ALLOC_CONF` accepts: the C ABI's own (backend, capacity, log, devices,
+/// out-of-memory policy), then the fields of [`Config`](crate::Config) but `capacity`
+/// (checked against both structs by a test).
+pub const CONF_KEYS: [&str; 18] = [
+    "backend",
+    "capacity_fraction",
+    "capacity_bytes",
+    "log",
+    "devices",
+    "on_oom",
+    "small_threshold",
+    "small_page",
+    "medium_threshold",
+    "medium_page",
+    "min_handle",
+    "max_handle",
+    "stitching",
+    "reserve_slack",
+    "reserve_slack_min",
+    "va_chunk",
+    "va_limit",
+    "paranoid",
+];
+
+const VERSION: &CStr =
+    match CStr::from_bytes_with_nul(concat!(env!("CARGO_PKG_VERSION"), "\0").as_bytes()) {
+        Ok(v) => v,
+        Err(_) => panic!("the version has no interior NUL"),
+    };
+
+thread_local! {
+    /// The last document `stitch_stats_json` returned on this thread (replaced by the next).
+    static STATS_BUF: RefCell<CString> = RefCell::new(CString::default());
+}
+
+fn ptr_to_u64(p: *const c_void) -> u64 {
+    p.addr() as u64
+}
+
+fn u64_to_ptr(a: u64) -> *mut c_void {
+    std::ptr::with_exposed_provenance_mut(a as usize)
+}
+
+// ---------------------------------------------------------------------------------------
+// The exports.
+/// Allocate `size` bytes on `device` for use on `stream` (a `cudaStream_t`, NULL for the
+/// default stream). The `CUDAPluggableAllocator` allocation function.
+///
+/// Returns NULL on failure (zero size, too large, out of memory, device out of range, invalid
+/// configuration); [`stitch_last_error`] says why. With `on_oom:abort` in the configuration,
+/// running out of memory prints the diagnosis and aborts the process instead.
+///
+/// Torch 2.11 does not check this pointer: after a NULL, `torch.empty` succeeds with an
+/// unallocated storage and the tensor's first use raises `RuntimeError` ("... its data is
+/// not allocated yet"), not `torch.cuda.OutOfMemoryError`.
+#[no_mangle]
+pub extern "C" fn stitch_malloc(size: usize, device: c_int, stream: *mut c_void) -> *mut c_void {
+    guard("stitch_malloc", std::ptr::null_mut(), || {
+        let fail = |level, m: &str| {
+            report(
+                level,
+                &format!("stitch_malloc(size={size}, device={device}): {m}"),
+            );
+            std::ptr::null_mut()
+        };
+        let rt = runtime();
+        let a = match rt.allocator(device) {
+            Ok(a) => a,
+            Err(m) => return fail(first_time(&m), &m),
+        };
+        match a.alloc(size as u64, Stream(ptr_to_u64(stream))) {
+            Ok(p) => u64_to_ptr(p.addr()),
+            // Torch asks for zero bytes for every empty tensor: not worth a warning.
+            Err(AllocError::ZeroSize) => fail(tracing::Level::DEBUG, "zero-size allocation"),
+            Err(e) => {
+                let oom = matches!(e, AllocError::OutOfMemory(_) | AllocError::TooLarge { .. });
+                let abort = oom && rt.ready().is_ok_and(|r| r.conf.abi.on_oom == OnOom::Abort);
+                if abort {
+                    eprintln!(
+                        "stitch-alloc: stitch_malloc(size={size}, device={device}): {}; \
+                         aborting (on_oom:abort)",
+                        describe(&e)
+                    );
+                    std::process::abort();
+                }
+                fail(tracing::Level::WARN, &describe(&e))
+            }
+        }
+    })
+}
+
+/// Free `ptr`, returned by [`stitch_malloc`] on `device`, whose last use was queued on
+/// `stream`. `size` is the size asked for (0 = unknown). The `CUDAPluggableAllocator` free
+/// function (torch 2.11 passes all four arguments).
+///
+/// NULL, a pointer this library never returned, a pointer inside an allocation, a pointer
+/// freed already, or one of another device: nothing is freed, the error is logged and kept
+/// for [`stitch_last_error`].
+#[no_mangle]
+pub extern "C" fn stitch_free(ptr: *mut c_void, size: usize, device: c_int, stream: *mut c_void) {
+    guard("stitch_free", (), || {
+        let addr = ptr_to_u64(ptr);
+        let report_at = |level, m: &str| {
+            report(
+                level,
+                &format!("stitch_free(ptr={addr:#x}, size={size}, device={device}): {m}"),
+            )
+        };
+        let fail = |m: &str| report_at(tracing::Level::WARN, m);
+        if ptr.is_null() {
+            return fail("null pointer");
+        }
+        let rt = runtime();
+        let a = match rt.allocator(device) {
+            Ok(a) => a,
+            Err(m) => return report_at(first_time(&m), &m),
+        };
+        if size != 0 {
+            if let Some(usable) = a.usable_size(DevicePtr(addr)) {
+                if size as u64 > usable {
+                    fail(&format!(
+                        "size {size} exceeds the allocation's {usable} bytes (freed anyway)"
+                    ));
+                }
+            }
+        }
+        match a.free(DevicePtr(addr), Stream(ptr_to_u64(stream))) {
+            Ok(()) => {}
+            Err(e @ AllocError::InvalidPointer { .. }) => match rt.owner_of(addr) {
+                Some(other) => fail(&format!(
+                    "the pointer belongs to device {other}, not {device}; not freed"
+                )),
+                None => fail(&describe(&e)),
+            },
+            Err(e) => fail(&describe(&e)),
+        }
+    })
+}
+
+/// Torch's init hook: called once CUDA is initialised, with the number of devices. Reads the
+/// configuration (reporting an invalid one at once). Allocators are still created lazily.
+#[no_mangle]
+pub extern "C" fn stitch_init(device_count: c_int) {
+    guard("stitch_init", (), || {
+        let rt = runtime();
+        rt.init_count.store(device_count, Ordering::Relaxed);
+        match rt.ready() {
+            Ok(r) => tracing::debug!(
+                device_count,
+                backend = r.backend.name(),
+                served = rt.devices(),
+                "stitch_init"
+            ),
+            // Already printed to stderr when the configuration was read.
+            Err(e) => report(tracing::Level::DEBUG, &format!("stitch_init: {e}")),
+        }
+    })
+}
+
+/// Torch's reset hook (`torch.cuda.empty_cache()`): release the physical memory of free
+/// handles on every device back to the driver.
+#[no_mangle]
+pub extern "C" fn stitch_reset() {
+    guard("stitch_reset", (), || {
+        let rt = runtime();
+        for d in 0..rt.devices() {
+            if let Some(a) = rt.existing(d) {
+                if let Err(e) = a.empty_cache() {
+                    report(
+                        tracing::Level::WARN,
+                        &format!("stitch_reset: device {d}: {e}"),
+                    );
+                }
+            }
+        }
+    })
+}
+
+/// Release the physical memory of free handles on `device`. Returns 0, or -1 on error
+/// ([`stitch_last_error`]). A device not used yet has nothing to release (0).
+#[no_mangle]
+pub extern "C" fn stitch_empty_cache(device: c_int) -> c_int {
+    guard("stitch_empty_cache", -1, || {
+        let rt = runtime();
+        let fail = |m: &str| {
+            report(
+                tracing::Level::WARN,
+                &format!("stitch_empty_cache(device={device}): {m}"),
+            );
+            -1
+        };
+        if let Err(m) = rt.check_device(device) {
+            return fail(&m);
+        }
+        match rt.existing(device as usize).map(|a| a.empty_cache()) {
+            None | Some(Ok(_)) => 0,
+            Some(Err(e)) => fail(&e.to_string()),
+        }
+    })
+}
+
+/// Torch's memory-fraction hook (`torch.cuda.set_per_process_memory_fraction`): limit
+/// `device` to `fraction` of its memory (and to any capacity in the configuration). Takes
+/// effect only before the device's first allocation; later, the call is reported as an
+/// error and changes nothing.
+#[no_mangle]
+pub extern "C" fn stitch_memory_fraction(fraction: c_double, device: c_int) {
+    guard("stitch_memory_fraction", (), || {
+        if let Err(m) = runtime().set_fraction(fraction, device) {
+            report(
+                tracing::Level::WARN,
+                &format!("stitch_memory_fraction(fraction={fraction}, device={device}): {m}"),
+            );
+        }
+    })
+}
+
+/// Torch's record-stream hook (`Tensor.record_stream`): the live allocation at `ptr` is also
+/// used on `stream`, so its free waits for that stream's queued work too.
+#[no_mangle]
+pub extern "C" fn stitch_record_stream(ptr: *mut c_void, stream: *mut c_void) {
+    guard("stitch_record_stream", (), || {
+        let addr = ptr_to_u64(ptr);
+        let report_at =
+            |level, m: &str| report(level, &format!("stitch_record_stream(ptr={addr:#x}): {m}"));
+        let fail = |m: &str| report_at(tracing::Level::WARN, m);
+        let rt = runtime();
+        if let Err(m) = rt.ready() {
+            return report_at(first_time(&m), &m);
+        }
+        let Some(d) = rt.owner_of(addr) else {
+            return fail("not a live allocation of this library");
+        };
+        if let Some(a) = rt.existing(d) {
+            if let Err(e) = a.record_stream(DevicePtr(addr), Stream(ptr_to_u64(stream))) {
+                fail(&describe(&e));
+            }
+        }
+    })
+}
+
+/// The statistics of `device` as a JSON object (NUL-terminated UTF-8), or NULL on error
+/// ([`stitch_last_error`]). The string belongs to the library: it stays valid until the
+/// next `stitch_stats_json` call on the same thread. Do not free it.
+#[no_mangle]
+pub extern "C" fn stitch_stats_json(device: c_int) -> *const c_char {
+    guard("stitch_stats_json", std::ptr::null(), || {
+        match runtime().stats_json(device) {
+            Ok(s) => {
+                let c = to_cstring(&s);
+                STATS_BUF
+                    .try_with(|b| {
+                        *b.borrow_mut() = c;
+                        b.borrow().as_ptr()
+                    })
+                    .unwrap_or(std::ptr::null())
+            }
+            Err(m) => {
+                report(
+                    tracing::Level::WARN,
+                    &format!("stitch_stats_json(device={device}): {m}"),
+                );
+                std::ptr::null()
+            }
+        }
+    })
+}
+
+/// The calling thread's last error message, or `""` if none since the thread started or
+/// since [`stitch_clear_error`]. Owned by the library; valid until the next `stitch_*` call
+/// on the same thread. Never NULL.
+#[no_mangle]
+pub extern "C" fn stitch_last_error() -> *const c_char {
+    static EMPTY: &CStr = c"";
+    guard("stitch_last_error", EMPTY.as_ptr(), guard::last_error_ptr)
+}
+
+/// Forget the calling thread's last error.
+#[no_mangle]
+pub extern "C" fn stitch_clear_error() {
+    guard("stitch_clear_error", (), || {
+        guard::clear_error();
+    })
+}
+
+/// The library's version (`"0.1.0"`), a static string.
+#[no_mangle]
+pub extern "C" fn stitch_version() -> *const c_char {
+    VERSION.as_ptr()
+}
+
+// ---------------------------------------------------------------------------------------
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn version_is_the_crate_version() {
+        assert_eq!(VERSION.to_str().unwrap(), env!("CARGO_PKG_VERSION"));
+        assert_eq!(stitch_version(), VERSION.as_ptr());
+    }
+}

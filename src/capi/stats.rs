@@ -1,0 +1,171 @@
+//! The statistics document of `stitch_stats_json`: one typed struct per object. Its key
+//! names are read by `python/stitch_alloc` (`stats`, `memory_stats`, `memory_summary`) and
+//! described in `include/stitch_alloc.h`: change them together.
+#![forbid(unsafe_code)]
+
+use super::runtime::Alloc;
+use crate::driver::DriverOp;
+use crate::{Backend, DetailedStats, Stats};
+use serde::Serialize;
+use serde_json::{Map, Value};
+use std::collections::BTreeMap;
+
+/// The whole document of one device.
+#[derive(Serialize)]
+pub(super) struct StatsDoc<'a> {
+    /// The library's version.
+    pub version: &'static str,
+    /// The device asked about.
+    pub device: i32,
+    /// The backend serving it (never `auto`).
+    pub backend: Backend,
+    /// Whether the device's allocator exists (its first allocation happened).
+    pub initialized: bool,
+    /// The device count torch passed to `stitch_init` (-1 before).
+    pub init_device_count: i32,
+    /// `STITCH_ALLOC_CONF` as read.
+    pub conf: &'a str,
+    /// The allocator's capacity (0 before it exists).
+    pub capacity: u64,
+    /// The device's granularity (0 before the allocator exists).
+    pub granularity: u64,
+    /// Driver calls made by the allocator.
+    pub driver_calls: u64,
+    /// Of those, virtual memory management calls.
+    pub vmm_calls: u64,
+    /// Measured wall time inside the driver, microseconds: the sum of the next field.
+    pub driver_time_us: f64,
+    /// The same by call kind, for the kinds called at least once.
+    pub driver_time_us_by_call: BTreeMap<&'static str, f64>,
+    /// PyTorch's names for what this allocator counts.
+    pub torch: TorchStats,
+    /// The allocator's counters.
+    pub stats: Stats,
+    /// [`DetailedStats`] without its `stats` (given above).
+    pub fragmentation: Map<String, Value>,
+}
+
+impl<'a> StatsDoc<'a> {
+    /// The document of `device`, whose allocator is `a` if it exists yet.
+    pub fn new(
+        device: i32,
+        backend: Backend,
+        init_device_count: i32,
+        conf: &'a str,
+        a: Option<&Alloc>,
+    ) -> Result<Self, String> {
+        let detailed = a.map(|a| a.detailed_stats()).unwrap_or_default();
+        let stats = detailed.stats;
+        let mut by_call = BTreeMap::new();
+        let mut driver_time_us = 0.0;
+        if let Some(a) = a {
+            for t in a.driver().timings().0 {
+                if t.calls > 0 {
+                    let us = t.measured_ns as f64 / 1e3;
+                    driver_time_us += us;
+                    by_call.insert(t.op.name(), us);
+                }
+            }
+        }
+        let Value::Object(mut fragmentation) =
+            serde_json::to_value(&detailed).map_err(|e| e.to_string())?
+        else {
+            return Err("the detailed statistics are not an object".into());
+        };
+        fragmentation.remove("stats");
+        Ok(StatsDoc {
+            version: env!("CARGO_PKG_VERSION"),
+            device,
+            backend,
+            initialized: a.is_some(),
+            init_device_count,
+            conf,
+            capacity: detailed.capacity,
+            granularity: detailed.granularity,
+            driver_calls: stats.calls.total(),
+            vmm_calls: stats.calls.vmm_total(),
+            driver_time_us,
+            driver_time_us_by_call: by_call,
+            torch: TorchStats::new(&stats, &detailed),
+            stats,
+            fragmentation,
+        })
+    }
+
+    /// The document as JSON text, every object's keys in sorted order (as serde_json's map
+    /// writes them).
+    pub fn to_json(&self) -> Result<String, String> {
+        serde_json::to_value(self)
+            .map(|v| v.to_string())
+            .map_err(|e| e.to_string())
+    }
+}
+
+/// PyTorch's `memory_stats()` names for what this allocator counts.
+#[derive(Serialize)]
+pub(super) struct TorchStats {
+    #[serde(rename = "allocated_bytes.all.current")]
+    allocated_current: u64,
+    #[serde(rename = "allocated_bytes.all.peak")]
+    allocated_peak: u64,
+    #[serde(rename = "requested_bytes.all.current")]
+    requested_current: u64,
+    #[serde(rename = "requested_bytes.all.peak")]
+    requested_peak: u64,
+    #[serde(rename = "reserved_bytes.all.current")]
+    reserved_current: u64,
+    #[serde(rename = "reserved_bytes.all.peak")]
+    reserved_peak: u64,
+    /// Torch's "active" also holds blocks freed but still waiting for other streams.
+    #[serde(rename = "active_bytes.all.current")]
+    active_current: u64,
+    #[serde(rename = "allocation.all.current")]
+    allocations_current: u64,
+    #[serde(rename = "allocation.all.peak")]
+    allocations_peak: u64,
+    #[serde(rename = "allocation.all.allocated")]
+    allocations_allocated: u64,
+    #[serde(rename = "allocation.all.freed")]
+    allocations_freed: u64,
+    #[serde(rename = "segment.all.current")]
+    segments_current: u64,
+    #[serde(rename = "segment.all.allocated")]
+    segments_allocated: u64,
+    #[serde(rename = "segment.all.freed")]
+    segments_freed: u64,
+    /// Free bytes that cannot be given back because they share a handle with live bytes.
+    #[serde(rename = "inactive_split_bytes.all.current")]
+    inactive_split_current: u64,
+    num_ooms: u64,
+    /// Torch: a failed cudaMalloc followed by a cache flush and a retry. Here: a slow path
+    /// that blocked on outstanding frees before trying again.
+    num_alloc_retries: u64,
+    num_device_alloc: u64,
+    num_device_free: u64,
+}
+
+impl TorchStats {
+    fn new(s: &Stats, d: &DetailedStats) -> Self {
+        TorchStats {
+            allocated_current: s.allocated.current,
+            allocated_peak: s.allocated.peak,
+            requested_current: s.requested.current,
+            requested_peak: s.requested.peak,
+            reserved_current: s.reserved.current,
+            reserved_peak: s.reserved.peak,
+            active_current: s.allocated.current + s.pending_free,
+            allocations_current: s.live_allocations.current,
+            allocations_peak: s.live_allocations.peak,
+            allocations_allocated: s.allocs,
+            allocations_freed: s.frees,
+            segments_current: s.handles,
+            segments_allocated: s.handles_created,
+            segments_freed: s.handles_released,
+            inactive_split_current: d.stranded_bytes,
+            num_ooms: s.ooms,
+            num_alloc_retries: s.event_waits,
+            num_device_alloc: s.calls.get(DriverOp::Map),
+            num_device_free: s.calls.get(DriverOp::Unmap),
+        }
+    }
+}
