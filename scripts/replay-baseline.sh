@@ -7,12 +7,14 @@ set -euo pipefail
 out=${1:?usage: replay-baseline.sh OUT_DIR [STITCH_BIN]}
 bin=${2:-target/release/stitch}
 mkdir -p "$out"
-gen=$(mktemp -d)
+# Generated traces at a fixed path, so the reports name the same file in every run.
+gen=/tmp/stitch-replay-baseline-traces
+mkdir -p "$gen"
 for k in llm train checkerboard adversarial; do
     "$bin" gen "$k" --seed 1 --out "$gen/$k-full.trace.gz" >/dev/null
 done
 strip='del(.. | .wall_s?, .wall_ms?, .wall_time_s?, .events_per_s?, .events_per_second?, .wall_us?) '
-for f in tests/data/*.trace tests/data/*.trace.gz tests/data/*.pickle "$gen"/*.trace.gz; do
+for f in tests/data/*.trace tests/data/*.trace.gz tests/data/*.pickle "$gen"/*-full.trace.gz; do
     name=$(basename "$f")
     for backend in sim host; do
         for lag in 0 1000; do
@@ -38,5 +40,4 @@ PY
         done
     done
 done
-rm -rf "$gen"
 echo "wrote $(ls "$out"/*.json | wc -l) reports to $out"
