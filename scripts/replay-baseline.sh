@@ -14,7 +14,7 @@ for k in llm train checkerboard adversarial; do
     "$bin" gen "$k" --seed 1 --out "$gen/$k-full.trace.gz" >/dev/null
 done
 strip='del(.. | .wall_s?, .wall_ms?, .wall_time_s?, .events_per_s?, .events_per_second?, .wall_us?) '
-for f in tests/data/*.trace tests/data/*.trace.gz tests/data/*.pickle "$gen"/*-full.trace.gz; do
+for f in tests/data/*.trace tests/data/*.trace.gz tests/data/*.pickle tests/data/zoo/*.pickle.gz "$gen"/*-full.trace.gz; do
     name=$(basename "$f")
     for backend in sim host; do
         for lag in 0 1000; do
