@@ -1041,3 +1041,44 @@ impl FaultTally {
 pub fn calls_between(before: &CallCounts, after: &CallCounts, kinds: &[DriverOp]) -> u64 {
     kinds.iter().map(|&k| after.get(k) - before.get(k)).sum()
 }
+
+/// The body of the `ops_faults` fuzz target: bytes 0-7 seed the fault injection, byte 8
+/// sets its rate (`/512`), the rest decode into [`Op`]s run on a tight 256 MiB simulated
+/// device whose every injectable call fails at that rate. Checks every invariant of the
+/// [`Harness`] and that the faults fired fit the rate ([`FaultTally`]). Returns what the run
+/// did and its tally, or `Ok(None)` for inputs too short to use.
+pub fn ops_with_faults(data: &[u8]) -> Result<Option<(RunCounts, FaultTally)>, String> {
+    use crate::driver::faulty::INJECTABLE;
+    use crate::driver::FaultyDriver;
+    const MIB: u64 = 1 << 20;
+    if data.len() < 9 {
+        return Ok(None);
+    }
+    let seed = u64::from_le_bytes(data[..8].try_into().expect("8 bytes"));
+    let prob = data[8] as f64 / 512.0;
+    let ops = Op::decode(&data[9..], 256 * MIB);
+    let dev = FaultyDriver::new(SimDriver::with_capacity(256 * MIB));
+    dev.fail_randomly(&INJECTABLE, prob, seed);
+    dev.set_enabled(false);
+    let cfg = Config::default()
+        .with_reserve_slack(0.0, 0)
+        .with_handle_sizes(0, 16 * MIB);
+    let mut h = Harness::new(dev, cfg).map_err(|e| format!("allocator did not start: {e}"))?;
+    h.dev.set_enabled(true);
+    let before = h.dev.inner().calls();
+    h.apply_all(&ops)?;
+    // A failed call never reaches the wrapped device: the draws are its calls of the
+    // injectable kinds plus the faults.
+    let fired = h.dev.injected();
+    let draws = calls_between(&before, &h.dev.inner().calls(), &INJECTABLE) + fired;
+    let counts = h.finish()?;
+    if counts.faults_fired != fired || counts.faulted > fired {
+        return Err(format!(
+            "{fired} fault(s) fired but the run counted {counts:?}"
+        ));
+    }
+    let mut tally = FaultTally::default();
+    tally.add(draws, fired, prob);
+    tally.check().map_err(|e| format!("fault injection: {e}"))?;
+    Ok(Some((counts, tally)))
+}
