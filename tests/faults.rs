@@ -233,7 +233,11 @@ fn failed_construction_leaks_nothing() {
         let dev = Arc::new(FaultyDriver::new(SimDriver::with_capacity(GIB)));
         dev.fail_nth(op, 1);
         let e = Allocator::new(dev.clone(), Config::default()).unwrap_err();
-        assert!(matches!(e, AllocError::Driver { .. }), "{e}");
+        assert!(
+            matches!(e, AllocError::Driver { op: failed, code, .. } if failed == op && code == stitch_alloc::driver::code::INJECTED),
+            "{op:?}: {e}"
+        );
+        assert_eq!(dev.injected(), 1);
         assert!(dev.inner().leak_report().is_clean());
     }
 }

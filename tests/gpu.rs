@@ -9,7 +9,7 @@
 //! memory and would starve one another.
 
 use std::time::Instant;
-use stitch_alloc::driver::{Driver, HostDriver};
+use stitch_alloc::driver::{code, Driver, DriverOp, HostDriver};
 use stitch_alloc::{AllocError, Allocator, Capacity, Config, CudaDriver, Stream};
 
 const MIB: u64 = 1 << 20;
@@ -119,13 +119,18 @@ fn refusals<D: Driver>(d: &D) {
     let h = d.create(2 * g).unwrap();
     d.map(va, 2 * g, h).unwrap();
     // An unmap must cover exactly one earlier mapping.
-    assert!(d.unmap(va, g).is_err(), "a partial unmap must fail");
+    let e = d.unmap(va, g).expect_err("a partial unmap must fail");
+    assert_eq!(
+        (e.op, e.code),
+        (DriverOp::Unmap, code::INVALID_VALUE),
+        "{e}"
+    );
     // Mapping over an existing mapping fails.
     let h2 = d.create(g).unwrap();
-    assert!(
-        d.map(va + g, g, h2).is_err(),
-        "an overlapping map must fail"
-    );
+    let e = d
+        .map(va + g, g, h2)
+        .expect_err("an overlapping map must fail");
+    assert_eq!((e.op, e.code), (DriverOp::Map, code::INVALID_VALUE), "{e}");
     d.unmap(va, 2 * g).unwrap();
     d.release(h).unwrap();
     d.release(h2).unwrap();
@@ -276,14 +281,21 @@ fn gpu_errors_are_values() {
     // Mapping outside any reservation fails with a named error, not a crash.
     let h = d.create(g).unwrap();
     let e = d.map(0x1000_0000_0000, g, h).unwrap_err();
+    assert_eq!((e.op, e.code), (DriverOp::Map, code::INVALID_VALUE), "{e}");
     assert!(e.message.starts_with("cuMemMap: CUDA_ERROR_"), "{e}");
     d.release(h).unwrap();
     // A create far beyond the device is out of memory, with the allocator's OOM code.
     let total = d.mem_info().unwrap().total;
     let e = d.create((total + 64 * g) / g * g).unwrap_err();
-    assert_eq!(e.code, stitch_alloc::driver::code::OUT_OF_MEMORY, "{e}");
+    assert_eq!(
+        (e.op, e.code),
+        (DriverOp::Create, code::OUT_OF_MEMORY),
+        "{e}"
+    );
     assert!(e.message.contains("cuMemCreate"), "{e}");
-    assert!(CudaDriver::new(CudaDriver::device_count()).is_err());
+    let e = CudaDriver::new(CudaDriver::device_count()).unwrap_err();
+    assert_eq!(e.code, code::INVALID_VALUE, "{e}");
+    assert!(e.message.contains("out of range"), "{e}");
 }
 
 #[test]
