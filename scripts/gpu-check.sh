@@ -9,6 +9,9 @@
 #        exists, writes .gpu/manifest.tsv and .gpu/run.sh (a copy of this script), and prints
 #        the total size (it must stay under about 60 MiB to travel).
 # run:   prints an nvidia-smi summary, runs each test executable with --test-threads=1
+#        --include-ignored and STITCH_REQUIRE_GPU=1 (the GPU tests are #[ignore]d so that a
+#        plain `cargo test` without a GPU reports them as ignored, not passed; here they run,
+#        and a GPU test that finds no CUDA device fails instead of printing SKIPPED)
 #        (logs in $OUT/<name>.log when OUT is set, else ./gpu-logs/), runs the gpu test
 #        executable again under compute-sanitizer memcheck when available (skipping the
 #        tests that make deliberate failing API calls), and gpu_invariants under memcheck
@@ -23,7 +26,8 @@
 # BENCH_ARGS (run): criterion arguments (default: --warm-up-time 1 --measurement-time 3);
 # MEMCHECK_CASES (run): proptest cases per test for gpu_invariants under memcheck (default 8,
 # 0 to skip that run); GPU_TIMEOUT (run): seconds each executable may run before it is
-# killed and counted as failed (default: no limit).
+# killed and counted as failed (default: no limit); STITCH_REQUIRE_GPU (run): 1 by default,
+# set it to 0 only to try the bundle on a machine without a GPU (GPU tests then skip).
 set -euo pipefail
 
 MAX_MIB=60
@@ -100,15 +104,16 @@ for line in sys.stdin:
     [ "$mib" -le "$MAX_MIB" ] || die "$out is $mib MiB, over the $MAX_MIB MiB limit"
 }
 
-# Prints "passed failed" summed over every libtest "test result:" line of a log.
+# Prints "passed failed ignored" summed over every libtest "test result:" line of a log.
 counts() {
     awk '/^test result:/ {
             for (i = 1; i <= NF; i++) {
                 if ($(i) ~ /^passed;?$/) p += $(i - 1)
                 if ($(i) ~ /^failed;?$/) f += $(i - 1)
+                if ($(i) ~ /^ignored;?$/) g += $(i - 1)
             }
          }
-         END { printf "%d %d\n", p, f }' "$1"
+         END { printf "%d %d %d\n", p, f, g }' "$1"
 }
 
 run() {
@@ -131,8 +136,12 @@ run() {
     fi
     [ -f "$dir/COMMIT" ] && echo "built from commit $(cat "$dir/COMMIT")"
 
-    local rows=() any_fail=0 kind name rc p f s secs t0 log tmo=()
+    local rows=() any_fail=0 kind name rc p f g s secs t0 log tmo=()
     [ -n "${GPU_TIMEOUT:-}" ] && tmo=(timeout "$GPU_TIMEOUT")
+    # A GPU test without a GPU fails here (see tests/common/mod.rs, gpu_or_skip).
+    STITCH_REQUIRE_GPU="${STITCH_REQUIRE_GPU:-1}"
+    export STITCH_REQUIRE_GPU
+    echo "STITCH_REQUIRE_GPU=$STITCH_REQUIRE_GPU"
     # The CLI tests run the bundled binary, not the build machine's target/ path.
     STITCH_BIN="$(cd "$dir" && pwd)/bin/stitch"
     export STITCH_BIN
@@ -145,16 +154,16 @@ run() {
         echo "== $name"
         t0=$(date +%s.%N)
         set +e
-        (cd "$dir" && ${tmo[@]+"${tmo[@]}"} "./bin/$name" --test-threads=1 --nocapture) \
-            >"$log" 2>&1
+        (cd "$dir" && ${tmo[@]+"${tmo[@]}"} "./bin/$name" --test-threads=1 --nocapture \
+            --include-ignored) >"$log" 2>&1
         rc=$?
         set -e
         secs=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
         cat "$log"
-        read -r p f < <(counts "$log")
+        read -r p f g < <(counts "$log")
         s=$(grep -c 'SKIPPED (' "$log" || true)
         [ "$rc" -eq 0 ] && [ "$f" -eq 0 ] || any_fail=1
-        rows+=("$(printf '%-32s %7s %7s %8s %5s %8s' "$name" "$p" "$f" "$s" "$rc" "${secs}s")")
+        rows+=("$(printf '%-32s %7s %7s %7s %8s %5s %8s' "$name" "$p" "$f" "$g" "$s" "$rc" "${secs}s")")
     done <"$dir/manifest.tsv"
 
     # GPU benches (criterion): a bench "passes" when it exits 0.
@@ -179,8 +188,9 @@ run() {
         secs=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
         cat "$log"
         s=$(grep -c 'SKIPPED (' "$log" || true)
+        g=0
         if [ "$rc" -eq 0 ]; then p=1 f=0; else p=0 f=1 any_fail=1; fi
-        rows+=("$(printf '%-32s %7s %7s %8s %5s %8s' "$name" "$p" "$f" "$s" "$rc" "${secs}s")")
+        rows+=("$(printf '%-32s %7s %7s %7s %8s %5s %8s' "$name" "$p" "$f" "$g" "$s" "$rc" "${secs}s")")
         bench_logs+=("$log")
     done <"$dir/manifest.tsv"
 
@@ -192,16 +202,17 @@ run() {
         t0=$(date +%s.%N)
         set +e
         (cd "$dir" && ${tmo[@]+"${tmo[@]}"} compute-sanitizer --tool memcheck --error-exitcode 97 \
-            ./bin/gpu --test-threads=1 --nocapture --skip gpu_errors_are_values --skip gpu_oom_) \
+            ./bin/gpu --test-threads=1 --nocapture --include-ignored \
+            --skip gpu_errors_are_values --skip gpu_oom_) \
             >"$log" 2>&1
         rc=$?
         set -e
         secs=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
         cat "$log"
-        read -r p f < <(counts "$log")
+        read -r p f g < <(counts "$log")
         s=$(grep -c 'SKIPPED (' "$log" || true)
         [ "$rc" -eq 0 ] && [ "$f" -eq 0 ] || any_fail=1
-        rows+=("$(printf '%-32s %7s %7s %8s %5s %8s' "$name" "$p" "$f" "$s" "$rc" "${secs}s")")
+        rows+=("$(printf '%-32s %7s %7s %7s %8s %5s %8s' "$name" "$p" "$f" "$g" "$s" "$rc" "${secs}s")")
     else
         echo "== compute-sanitizer not found (or no gpu binary): memcheck run skipped"
     fi
@@ -217,15 +228,16 @@ run() {
         set +e
         (cd "$dir" && PROPTEST_CASES="${MEMCHECK_CASES:-8}" ${tmo[@]+"${tmo[@]}"} \
             compute-sanitizer --tool memcheck \
-            --error-exitcode 97 ./bin/gpu_invariants --test-threads=1 --nocapture) >"$log" 2>&1
+            --error-exitcode 97 ./bin/gpu_invariants --test-threads=1 --nocapture \
+            --include-ignored) >"$log" 2>&1
         rc=$?
         set -e
         secs=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
         cat "$log"
-        read -r p f < <(counts "$log")
+        read -r p f g < <(counts "$log")
         s=$(grep -c 'SKIPPED (' "$log" || true)
         [ "$rc" -eq 0 ] && [ "$f" -eq 0 ] || any_fail=1
-        rows+=("$(printf '%-32s %7s %7s %8s %5s %8s' "$name" "$p" "$f" "$s" "$rc" "${secs}s")")
+        rows+=("$(printf '%-32s %7s %7s %7s %8s %5s %8s' "$name" "$p" "$f" "$g" "$s" "$rc" "${secs}s")")
     fi
 
     {
@@ -235,7 +247,7 @@ run() {
             sed -n '/^== gpu bench summary/,$p' "$bl"
         done
         echo "== summary"
-        printf '%-32s %7s %7s %8s %5s %8s\n' binary passed failed skipped exit time
+        printf '%-32s %7s %7s %7s %8s %5s %8s\n' binary passed failed ignored skipped exit time
         printf '%s\n' "${rows[@]}"
         if [ "$any_fail" -eq 0 ]; then echo "ALL PASSED"; else echo "SOME FAILED"; fi
     } | tee "$logs/summary.txt"

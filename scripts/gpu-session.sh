@@ -5,7 +5,9 @@
 #   builds .gpu/ with scripts/gpu-check.sh, adds the C library, the stitch binary and the full
 #   generated traces; the folder travels with the device tool's `carry: [".gpu"]`.
 # There (GPU machine, repo root, no cargo):
-#   bash scripts/gpu-session.sh suite    # tests, memcheck, GPU benches, trace replays, Python tests
+#   bash scripts/gpu-session.sh suite    # tests (GPU ones included and required: a missing GPU
+#                                        # fails them), memcheck, GPU benches, trace replays,
+#                                        # Python tests
 #   bash scripts/gpu-session.sh torch    # scripts/torch-validate.py (PyTorch default vs
 #                                        # expandable segments vs stitch-alloc, fresh processes)
 #   bash scripts/gpu-session.sh zoo [args]  # scripts/torch-zoo.py --record: the workload zoo,
@@ -32,7 +34,9 @@ build)
     ;;
 suite)
     logs=$(mktemp -d)
-    OUT=$logs bash .gpu/run.sh run 2>&1 | tee "$out/suite-summary.txt" | tail -40
+    # GPU tests are #[ignore]d for plain `cargo test`; run.sh runs them with
+    # --include-ignored, and STITCH_REQUIRE_GPU=1 makes one that finds no GPU fail.
+    STITCH_REQUIRE_GPU=1 OUT=$logs bash .gpu/run.sh run 2>&1 | tee "$out/suite-summary.txt" | tail -40
     stitch=.gpu/bin/stitch
     [ -x "$stitch" ] || stitch=$(ls .gpu/bin/stitch* 2>/dev/null | head -1)
     {

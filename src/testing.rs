@@ -11,11 +11,20 @@
 //! 5. the allocator's statistics equal the shadow model's;
 //! 6. **zero external fragmentation**: an allocation of `N` bytes fails with `OutOfMemory`
 //!    only if `capacity - (bytes of handles holding a live byte) < N` rounded up to the
-//!    granularity;
+//!    granularity. The bytes of handles holding a live byte are computed independently of
+//!    the allocator: from the device's own ledger of handles and where each is mapped
+//!    ([`TestDevice::device_handles`]) and the shadow model's live ranges (a handle holds a
+//!    live byte iff one of its mappings overlaps a live range). The OOM report's own figure
+//!    must equal it. A device without a ledger (CUDA) can only be checked against the
+//!    allocator's own figure; such OOMs are counted apart ([`RunCounts::ooms_unverified`]);
 //! 7. the stream rule: memory still used by in-flight work on stream `S` is never handed to
 //!    another stream (and the device refuses to unmap it: that would surface as an error);
 //! 8. at the end, after freeing everything and dropping the allocator, the device holds
 //!    nothing (no handle, mapping, reservation or event).
+//!
+//! Fault-injection runs also report how many faults fired ([`RunCounts::faults_fired`]);
+//! [`FaultTally`] checks that count against the injection rate, so a run in which injection
+//! silently stopped firing fails.
 //!
 //! The same harness runs on a real GPU through [`CudaTestDevice`]: real streams, real
 //! asynchronous work that reads the memory it was launched on (an early unmap makes it
@@ -23,8 +32,8 @@
 #![forbid(unsafe_code)]
 
 use crate::driver::{
-    CudaDriver, CudaStream, DevAddr, Driver, DriverResult, EventId, HostDriver, LeakReport,
-    MemInfo, PhysHandle, SimDriver, WorkId,
+    CallCounts, CudaDriver, CudaStream, DevAddr, Driver, DriverOp, DriverResult, EventId,
+    HostDriver, LeakReport, MemInfo, PhysHandle, SimDriver, WorkId,
 };
 use crate::{AllocError, Allocator, Config, DevicePtr, Stream};
 use parking_lot::Mutex;
@@ -61,6 +70,27 @@ pub trait TestDevice: Driver + 'static {
     fn set_faults(&self, on: bool) {
         let _ = on;
     }
+    /// Every physical handle the device holds and where it is mapped, from the device's own
+    /// ledger (not the allocator's): the input of the zero-fragmentation oracle. `None` when
+    /// the device keeps no such ledger (CUDA cannot enumerate its handles).
+    fn device_handles(&self) -> Option<Vec<DeviceHandle>> {
+        None
+    }
+}
+
+/// One physical handle as the device's ledger knows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceHandle {
+    /// Bytes (a handle is always mapped whole).
+    pub size: u64,
+    /// Start of each mapping of the handle (several when aliased, none when unmapped).
+    pub mapped_at: Vec<DevAddr>,
+}
+
+fn device_handles(v: Vec<(u64, Vec<DevAddr>)>) -> Vec<DeviceHandle> {
+    v.into_iter()
+        .map(|(size, mapped_at)| DeviceHandle { size, mapped_at })
+        .collect()
 }
 
 impl<T: TestDevice> TestDevice for crate::driver::FaultyDriver<T> {
@@ -88,6 +118,9 @@ impl<T: TestDevice> TestDevice for crate::driver::FaultyDriver<T> {
     fn set_faults(&self, on: bool) {
         self.set_enabled(on)
     }
+    fn device_handles(&self) -> Option<Vec<DeviceHandle>> {
+        self.inner().device_handles()
+    }
 }
 
 macro_rules! test_device {
@@ -110,6 +143,9 @@ macro_rules! test_device {
             }
             fn leak_report(&self) -> LeakReport {
                 <$t>::leak_report(self)
+            }
+            fn device_handles(&self) -> Option<Vec<DeviceHandle>> {
+                Some(device_handles(<$t>::handle_mappings(self)))
             }
         }
     };
@@ -515,10 +551,17 @@ pub struct RunCounts {
     pub frees: u64,
     /// `OutOfMemory` results (each checked against the zero-fragmentation bound).
     pub ooms: u64,
+    /// Of those, OOMs on a device without a ledger ([`TestDevice::device_handles`] is
+    /// `None`): checked against the allocator's own count of live handle bytes only.
+    pub ooms_unverified: u64,
     /// Other refused requests (zero size, too large).
     pub refused: u64,
     /// Operations that failed because of an injected driver fault.
     pub faulted: u64,
+    /// Driver faults injected during the run (by the device's fault-injection wrapper; 0
+    /// without one). Some are absorbed (retried, or the request served another way), so
+    /// `faulted <= faults_fired`.
+    pub faults_fired: u64,
     /// Frees of memory that launched work was still using (work not yet complete).
     pub in_flight_frees: u64,
     /// Successful allocations made while such freed-but-still-used memory existed (each
@@ -541,6 +584,8 @@ pub struct Harness<T: TestDevice> {
     pub counts: RunCounts,
     check_data: bool,
     faults_before: u64,
+    /// The device's fault count when the harness was made.
+    faults_at_start: u64,
 }
 
 fn mix(mut z: u64) -> u64 {
@@ -574,7 +619,7 @@ impl<T: TestDevice> Harness<T> {
         let alloc = Allocator::new(dev.clone(), config.with_paranoid(true))?;
         Ok(Harness {
             alloc,
-            dev,
+            dev: dev.clone(),
             live: Vec::new(),
             ranges: BTreeMap::new(),
             hazards: Vec::new(),
@@ -582,6 +627,7 @@ impl<T: TestDevice> Harness<T> {
             counts: RunCounts::default(),
             check_data,
             faults_before: 0,
+            faults_at_start: dev.injected_faults(),
         })
     }
 
@@ -593,6 +639,30 @@ impl<T: TestDevice> Harness<T> {
     /// Live allocations now.
     pub fn live_count(&self) -> usize {
         self.live.len()
+    }
+
+    /// The oracle's figure: total size of the device's handles that hold at least one live
+    /// byte of the shadow model (a handle holds one iff one of its mappings overlaps a live
+    /// range), from the device's ledger; `None` on a device without one.
+    pub fn handles_holding_live_data(&self) -> Option<u64> {
+        let handles = self.dev.device_handles()?;
+        Some(self.bytes_of_handles_holding_live_data(&handles))
+    }
+
+    fn bytes_of_handles_holding_live_data(&self, handles: &[DeviceHandle]) -> u64 {
+        let live = |addr: u64, len: u64| {
+            // Live ranges never overlap, so only the last one starting before the end can
+            // reach into the mapping.
+            self.ranges
+                .range(..addr + len)
+                .next_back()
+                .is_some_and(|(&a, &s)| a + s > addr)
+        };
+        handles
+            .iter()
+            .filter(|h| h.mapped_at.iter().any(|&at| live(at, h.size)))
+            .map(|h| h.size)
+            .sum()
     }
 
     fn stream(&self, n: u8) -> Stream {
@@ -732,14 +802,37 @@ impl<T: TestDevice> Harness<T> {
                 self.counts.faulted += 1;
             }
             Err(AllocError::OutOfMemory(r)) => {
-                let d = self.alloc.detailed_stats();
                 let need = size.div_ceil(g) * g;
-                if cap - d.live_handle_bytes >= need {
+                let (held, whose) = match self.dev.device_handles() {
+                    Some(handles) => {
+                        let held = self.bytes_of_handles_holding_live_data(&handles);
+                        if r.live_handle_bytes != held {
+                            return Err(format!(
+                                "OOM report says {} bytes of handles hold live data, the device's \
+                                 ledger and the live ranges say {held} (report: {r})",
+                                r.live_handle_bytes
+                            ));
+                        }
+                        (held, "the device's handles holding live data")
+                    }
+                    None => {
+                        self.counts.ooms_unverified += 1;
+                        (
+                            r.live_handle_bytes,
+                            "live handles (the allocator's own count)",
+                        )
+                    }
+                };
+                if held > cap {
                     return Err(format!(
-                        "external fragmentation: {size} bytes refused although capacity {cap} minus \
-                         live handles {} leaves {} (report: {r})",
-                        d.live_handle_bytes,
-                        cap - d.live_handle_bytes
+                        "{held} bytes of handles hold live data, over the capacity {cap}"
+                    ));
+                }
+                if cap - held >= need {
+                    return Err(format!(
+                        "external fragmentation: {size} bytes refused although capacity {cap} \
+                         minus {whose} {held} leaves {} (report: {r})",
+                        cap - held
                     ));
                 }
                 if r.requested != size || r.capacity != cap {
@@ -767,8 +860,14 @@ impl<T: TestDevice> Harness<T> {
             return Err(format!("free of live {:#x}: {e}", self.live[i].ptr));
         }
         let l = self.live.swap_remove(i);
-        if self.alloc.free(DevicePtr(l.ptr), stream).is_ok() {
-            return Err(format!("double free of {:#x} was accepted", l.ptr));
+        match self.alloc.free(DevicePtr(l.ptr), stream) {
+            Err(AllocError::DoubleFree { ptr }) if ptr == l.ptr => {}
+            other => {
+                return Err(format!(
+                    "second free of {:#x}: expected DoubleFree, got {other:?}",
+                    l.ptr
+                ))
+            }
         }
         self.ranges.remove(&l.ptr);
         let before = self.hazards.len();
@@ -820,6 +919,7 @@ impl<T: TestDevice> Harness<T> {
 
     /// Free everything, drop the allocator and check the device holds nothing.
     pub fn finish(mut self) -> Result<RunCounts, String> {
+        self.counts.faults_fired = self.dev.injected_faults() - self.faults_at_start;
         self.dev.set_faults(false);
         self.faults_before = self.dev.injected_faults();
         while !self.live.is_empty() {
@@ -852,12 +952,18 @@ impl<T: TestDevice> Harness<T> {
         Ok(std::mem::take(&mut self.counts))
     }
 
-    /// Run a whole sequence, then `finish`.
-    pub fn run(mut self, ops: &[Op]) -> Result<RunCounts, String> {
+    /// Apply a whole sequence (without finishing).
+    pub fn apply_all(&mut self, ops: &[Op]) -> Result<(), String> {
         for (n, &op) in ops.iter().enumerate() {
             self.apply(op)
                 .map_err(|e| format!("after op {n} {op:?}: {e}"))?;
         }
+        Ok(())
+    }
+
+    /// Run a whole sequence, then `finish`.
+    pub fn run(mut self, ops: &[Op]) -> Result<RunCounts, String> {
+        self.apply_all(ops)?;
         self.finish()
     }
 }
@@ -868,4 +974,111 @@ impl<T: TestDevice> Drop for Harness<T> {
         // truthfully (a failing run keeps its own error message).
         self.dev.set_faults(false);
     }
+}
+
+/// How many injected faults fired against how many should have: each call of a kind that
+/// random injection covers is one draw that fails with probability `prob`, so the faults
+/// fired in `draws` draws follow a binomial law. [`FaultTally::check`] fails when the count
+/// lies outside eight standard deviations (plus one) of its mean: injection that stopped
+/// firing, or fired at the wrong rate, is noticed; a correct run fails with negligible
+/// probability. Tallies of several runs add up ([`FaultTally::merge`]), which is what makes
+/// "no fault fired at all" detectable over a whole test.
+///
+/// ```
+/// use stitch_alloc::testing::FaultTally;
+/// let mut t = FaultTally::default();
+/// t.add(10_000, 1_012, 0.1);
+/// assert!(t.check().is_ok());
+/// let mut silent = FaultTally::default();
+/// silent.add(10_000, 0, 0.1);
+/// assert!(silent.check().is_err(), "no fault fired in 10 000 draws at 10%");
+/// ```
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct FaultTally {
+    /// Calls that could have failed.
+    pub draws: u64,
+    /// Calls that did.
+    pub fired: u64,
+    /// Expected faults: the sum of `draws * prob` over the runs.
+    pub expected: f64,
+    /// Variance of the count: the sum of `draws * prob * (1 - prob)`.
+    variance: f64,
+}
+
+impl FaultTally {
+    /// Add one run of `draws` draws at probability `prob` in which `fired` faults fired.
+    pub fn add(&mut self, draws: u64, fired: u64, prob: f64) {
+        self.draws += draws;
+        self.fired += fired;
+        self.expected += draws as f64 * prob;
+        self.variance += draws as f64 * prob * (1.0 - prob);
+    }
+
+    /// Add another tally.
+    pub fn merge(&mut self, other: &FaultTally) {
+        self.draws += other.draws;
+        self.fired += other.fired;
+        self.expected += other.expected;
+        self.variance += other.variance;
+    }
+
+    /// Whether the faults fired agree with the rate (see the type's docs).
+    pub fn check(&self) -> Result<(), String> {
+        let slack = 8.0 * self.variance.sqrt() + if self.expected > 0.0 { 1.0 } else { 0.0 };
+        if self.fired > self.draws || (self.fired as f64 - self.expected).abs() > slack {
+            return Err(format!(
+                "{} fault(s) fired in {} draws, {:.1} expected (at most {:.1} off)",
+                self.fired, self.draws, self.expected, slack
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Calls of the given kinds between two snapshots of a device's call counts. Over a
+/// [`crate::driver::FaultyDriver`], the wrapped device's count plus the faults fired is the
+/// number of draws (a failed call never reaches the wrapped device).
+pub fn calls_between(before: &CallCounts, after: &CallCounts, kinds: &[DriverOp]) -> u64 {
+    kinds.iter().map(|&k| after.get(k) - before.get(k)).sum()
+}
+
+/// The body of the `ops_faults` fuzz target: bytes 0-7 seed the fault injection, byte 8
+/// sets its rate (`/512`), the rest decode into [`Op`]s run on a tight 256 MiB simulated
+/// device whose every injectable call fails at that rate. Checks every invariant of the
+/// [`Harness`] and that the faults fired fit the rate ([`FaultTally`]). Returns what the run
+/// did and its tally, or `Ok(None)` for inputs too short to use.
+pub fn ops_with_faults(data: &[u8]) -> Result<Option<(RunCounts, FaultTally)>, String> {
+    use crate::driver::faulty::INJECTABLE;
+    use crate::driver::FaultyDriver;
+    const MIB: u64 = 1 << 20;
+    if data.len() < 9 {
+        return Ok(None);
+    }
+    let seed = u64::from_le_bytes(data[..8].try_into().expect("8 bytes"));
+    let prob = data[8] as f64 / 512.0;
+    let ops = Op::decode(&data[9..], 256 * MIB);
+    let dev = FaultyDriver::new(SimDriver::with_capacity(256 * MIB));
+    dev.fail_randomly(&INJECTABLE, prob, seed);
+    dev.set_enabled(false);
+    let cfg = Config::default()
+        .with_reserve_slack(0.0, 0)
+        .with_handle_sizes(0, 16 * MIB);
+    let mut h = Harness::new(dev, cfg).map_err(|e| format!("allocator did not start: {e}"))?;
+    h.dev.set_enabled(true);
+    let before = h.dev.inner().calls();
+    h.apply_all(&ops)?;
+    // A failed call never reaches the wrapped device: the draws are its calls of the
+    // injectable kinds plus the faults.
+    let fired = h.dev.injected();
+    let draws = calls_between(&before, &h.dev.inner().calls(), &INJECTABLE) + fired;
+    let counts = h.finish()?;
+    if counts.faults_fired != fired || counts.faulted > fired {
+        return Err(format!(
+            "{fired} fault(s) fired but the run counted {counts:?}"
+        ));
+    }
+    let mut tally = FaultTally::default();
+    tally.add(draws, fired, prob);
+    tally.check().map_err(|e| format!("fault injection: {e}"))?;
+    Ok(Some((counts, tally)))
 }

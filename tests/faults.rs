@@ -1,53 +1,148 @@
 //! Driver fault injection: whatever call fails, the request gets an error, earlier
 //! allocations and their bytes stay intact, nothing leaks, and later requests succeed.
+//! Every test also asserts how many faults fired: the scheduled ones exactly, the random
+//! ones against their rate, per case and over all cases (`FaultTally`).
 
 mod common;
 
 use proptest::prelude::*;
-use std::sync::Arc;
+use proptest::test_runner::{Config as ProptestConfig, TestRunner};
+use std::sync::{Arc, Mutex};
 use stitch_alloc::driver::faulty::INJECTABLE;
-use stitch_alloc::driver::{DriverOp, FaultyDriver, HostDriver, SimDriver};
-use stitch_alloc::testing::{Harness, Op};
+use stitch_alloc::driver::{CallCounts, DriverOp, FaultyDriver, HostDriver, SimDriver};
+use stitch_alloc::testing::{calls_between, FaultTally, Harness, Op};
 use stitch_alloc::{AllocError, Allocator, Capacity, Config, Stream};
 
 const MIB: u64 = 1 << 20;
 
-proptest! {
-    #![proptest_config(ProptestConfig { cases: common::cases(128), ..ProptestConfig::default() })]
+/// What the random-fault tests add up over their cases.
+#[derive(Default)]
+struct Totals {
+    tally: FaultTally,
+    /// Operations that failed because of a fault.
+    faulted: u64,
+    cases: u64,
+}
 
-    /// Random failures of every kind of call, on a tight device with streams.
-    #[test]
-    fn random_faults_sim(
-        ops in prop::collection::vec(common::op(256 * MIB, true), 1..200),
-        seed in any::<u64>(),
-        prob in 0.01f64..0.3,
-    ) {
+/// Runs one random-fault case: `ops` on a fresh harness over `dev`, faults of `kinds` at
+/// probability `prob` (already set on `dev`) while the operations run. Checks every
+/// invariant, then that the faults fired agree with the rate, and adds the case to `totals`.
+fn fault_case<D>(
+    dev: FaultyDriver<D>,
+    cfg: Config,
+    ops: &[Op],
+    kinds: &[DriverOp],
+    prob: f64,
+    totals: &Mutex<Totals>,
+) -> Result<(), TestCaseError>
+where
+    D: stitch_alloc::testing::TestDevice,
+    D: Calls,
+{
+    dev.set_enabled(false);
+    let mut h = Harness::new(dev, cfg).map_err(|e| TestCaseError::fail(e.to_string()))?;
+    h.dev.set_enabled(true);
+    let before = h.dev.inner().call_counts();
+    h.apply_all(ops).map_err(TestCaseError::fail)?;
+    let fired = h.dev.injected();
+    // A failed call never reaches the wrapped device: draws = its calls + the faults.
+    let draws = calls_between(&before, &h.dev.inner().call_counts(), kinds) + fired;
+    let counts = h.finish().map_err(TestCaseError::fail)?;
+    prop_assert_eq!(counts.faults_fired, fired);
+    prop_assert!(counts.faulted <= fired, "{:?}", counts);
+    let mut tally = FaultTally::default();
+    tally.add(draws, fired, prob);
+    tally.check().map_err(TestCaseError::fail)?;
+    let mut t = totals.lock().unwrap();
+    t.tally.merge(&tally);
+    t.faulted += counts.faulted;
+    t.cases += 1;
+    Ok(())
+}
+
+/// The wrapped device's call counts (both CPU backends count every call by kind).
+trait Calls {
+    fn call_counts(&self) -> CallCounts;
+}
+impl Calls for SimDriver {
+    fn call_counts(&self) -> CallCounts {
+        self.calls()
+    }
+}
+impl Calls for HostDriver {
+    fn call_counts(&self) -> CallCounts {
+        self.calls()
+    }
+}
+
+/// Runs `cases` random cases through `case`, then checks the totals: the faults fired over
+/// all cases agree with the rates, and where dozens were expected, faults fired and made
+/// operations fail (a run in which injection silently stopped would pass every per-case
+/// check with few draws, not this one).
+fn run_fault_cases<S: Strategy>(
+    cases: u32,
+    strategy: S,
+    case: impl Fn(S::Value, &Mutex<Totals>) -> Result<(), TestCaseError>,
+) {
+    let totals = Mutex::new(Totals::default());
+    let mut runner = TestRunner::new(ProptestConfig {
+        cases,
+        ..ProptestConfig::default()
+    });
+    if let Err(e) = runner.run(&strategy, |v| case(v, &totals)) {
+        panic!("{e}");
+    }
+    let t = totals.into_inner().unwrap();
+    eprintln!(
+        "{} cases: {} faults fired in {} draws ({:.1} expected), {} operations failed by them",
+        t.cases, t.tally.fired, t.tally.draws, t.tally.expected, t.faulted
+    );
+    t.tally.check().unwrap();
+    if t.tally.expected >= 20.0 {
+        assert!(t.tally.fired > 0, "no fault fired: {:?}", t.tally);
+        assert!(
+            t.faulted > 0,
+            "faults fired but no operation failed: {:?}",
+            t.tally
+        );
+    }
+}
+
+/// Random failures of every kind of call, on a tight device with streams.
+#[test]
+fn random_faults_sim() {
+    let strategy = (
+        prop::collection::vec(common::op(256 * MIB, true), 1..200),
+        any::<u64>(),
+        0.01f64..0.3,
+    );
+    run_fault_cases(common::cases(128), strategy, |(ops, seed, prob), totals| {
         let dev = FaultyDriver::new(SimDriver::with_capacity(256 * MIB));
         dev.fail_randomly(&INJECTABLE, prob, seed);
-        dev.set_enabled(false);
-        let cfg = Config::default().with_reserve_slack(0.0, 0).with_handle_sizes(0, 16 * MIB);
-        let h = Harness::new(dev, cfg).map_err(|e| TestCaseError::fail(e.to_string()))?;
-        h.dev.set_enabled(true);
-        h.run(&ops).map_err(TestCaseError::fail)?;
-    }
+        let cfg = Config::default()
+            .with_reserve_slack(0.0, 0)
+            .with_handle_sizes(0, 16 * MIB);
+        fault_case(dev, cfg, &ops, &INJECTABLE, prob, totals)
+    });
+}
 
-    /// The same on real memory: bytes of live allocations survive every failure.
-    #[test]
-    fn random_faults_host(
-        ops in prop::collection::vec(common::op(64 * MIB, true), 1..120),
-        seed in any::<u64>(),
-    ) {
+/// The same on real memory: bytes of live allocations survive every failure.
+#[test]
+fn random_faults_host() {
+    let strategy = (
+        prop::collection::vec(common::op(64 * MIB, true), 1..120),
+        any::<u64>(),
+    );
+    run_fault_cases(common::cases(128), strategy, |(ops, seed), totals| {
         let dev = FaultyDriver::new(HostDriver::with_capacity(64 * MIB).unwrap());
-        dev.fail_randomly(&INJECTABLE[..9], 0.1, seed); // all but destroy_event
-        dev.set_enabled(false);
+        let kinds = &INJECTABLE[..9]; // all but destroy_event
+        dev.fail_randomly(kinds, 0.1, seed);
         let cfg = Config::default()
             .with_capacity(Capacity::Bytes(64 * MIB))
             .with_reserve_slack(0.0, 0)
             .with_handle_sizes(0, 8 * MIB);
-        let h = Harness::new(dev, cfg).map_err(|e| TestCaseError::fail(e.to_string()))?;
-        h.dev.set_enabled(true);
-        h.run(&ops).map_err(TestCaseError::fail)?;
-    }
+        fault_case(dev, cfg, &ops, kinds, 0.1, totals)
+    });
 }
 
 /// Every call of a stitch, failed in turn: the k-th map (half the handles mapped), the k-th
@@ -138,7 +233,11 @@ fn failed_construction_leaks_nothing() {
         let dev = Arc::new(FaultyDriver::new(SimDriver::with_capacity(GIB)));
         dev.fail_nth(op, 1);
         let e = Allocator::new(dev.clone(), Config::default()).unwrap_err();
-        assert!(matches!(e, AllocError::Driver { .. }), "{e}");
+        assert!(
+            matches!(e, AllocError::Driver { op: failed, code, .. } if failed == op && code == stitch_alloc::driver::code::INJECTED),
+            "{op:?}: {e}"
+        );
+        assert_eq!(dev.injected(), 1);
         assert!(dev.inner().leak_report().is_clean());
     }
 }

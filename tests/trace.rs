@@ -397,14 +397,18 @@ fn synthetic_pytorch_snapshots() {
     )
     .unwrap();
     assert!(e.events.is_empty());
-    assert!(trace::read_bytes(
+    let e = trace::read_bytes(
         &bytes,
         ReadOptions {
             device: Some(5),
             ..Default::default()
-        }
+        },
     )
-    .is_err());
+    .unwrap_err();
+    assert!(
+        matches!(&e, TraceError::Snapshot(m) if m.contains("device 5 asked for")),
+        "{e}"
+    );
     // Only free_completed recorded: it is taken as the free.
     let only_completed = snapshot(vec![vec![
         ev("alloc", 4096, 100, s0()),
@@ -436,7 +440,12 @@ fn synthetic_pytorch_snapshots() {
         "{e}"
     );
     let zero = snapshot(vec![vec![ev("alloc", 5, 0, s0())]]);
-    assert!(trace::read_bytes(&zero, ReadOptions::default()).is_err());
+    let e = trace::read_bytes(&zero, ReadOptions::default()).unwrap_err();
+    assert!(
+        matches!(&e, TraceError::SnapshotEvent { index: 0, message, .. }
+            if message.contains("0 bytes")),
+        "{e}"
+    );
 }
 
 // ----- generators -----

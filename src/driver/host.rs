@@ -172,6 +172,12 @@ impl HostDriver {
     pub fn calls(&self) -> super::CallCounts {
         self.state.lock().ledger.calls
     }
+
+    /// Every live handle as `(size, addresses it is mapped at)` (read-only, for the test
+    /// harness's oracle).
+    pub(crate) fn handle_mappings(&self) -> Vec<(u64, Vec<DevAddr>)> {
+        self.state.lock().ledger.handle_mappings()
+    }
 }
 
 impl super::SimulatedWork for HostDriver {

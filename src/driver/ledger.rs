@@ -420,6 +420,22 @@ impl Ledger {
         self.check_covered(DriverOp::Copy, addr, len, true)
     }
 
+    /// Every live handle as `(size, addresses it is mapped at)`, in handle order: the
+    /// device's own view, read by the test harness's zero-fragmentation oracle.
+    pub(crate) fn handle_mappings(&self) -> Vec<(u64, Vec<DevAddr>)> {
+        let mut ids: Vec<u64> = self.handles.keys().copied().collect();
+        ids.sort_unstable();
+        let index: HashMap<u64, usize> = ids.iter().enumerate().map(|(i, &h)| (h, i)).collect();
+        let mut out: Vec<(u64, Vec<DevAddr>)> = ids
+            .iter()
+            .map(|h| (self.handles[h].size, Vec::new()))
+            .collect();
+        for (&addr, m) in &self.mappings {
+            out[index[&m.handle.0]].1.push(addr);
+        }
+        out
+    }
+
     pub(crate) fn leak_report(&self) -> LeakReport {
         LeakReport {
             handles: self.handles.len(),

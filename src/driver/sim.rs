@@ -118,6 +118,12 @@ impl SimDriver {
         self.inner.lock().mappings.len()
     }
 
+    /// Every live handle as `(size, addresses it is mapped at)` (read-only, for the test
+    /// harness's oracle).
+    pub(crate) fn handle_mappings(&self) -> Vec<(u64, Vec<DevAddr>)> {
+        self.inner.lock().handle_mappings()
+    }
+
     /// Whether `[addr, addr+len)` is fully mapped with access set.
     pub fn is_accessible(&self, addr: DevAddr, len: u64) -> bool {
         self.inner.lock().check_data(addr, len).is_ok()

@@ -43,3 +43,27 @@ pub fn cases(default: u32) -> u32 {
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
 }
+
+/// The guard at the top of every GPU test. With a usable CUDA device it returns `true`.
+/// Without one it fails the test when `STITCH_REQUIRE_GPU=1` (set where the GPU bundle runs
+/// the tests: `scripts/gpu-check.sh run`, `scripts/gpu-session.sh suite`), so a GPU run
+/// cannot pass without a GPU; elsewhere it prints `SKIPPED (no CUDA device): <test>` to
+/// stderr and returns `false`. The GPU tests are also `#[ignore]`d, so a plain
+/// `cargo test` reports them as ignored, never as passed; they run with `--include-ignored`.
+pub fn gpu_or_skip(test: &str) -> bool {
+    if stitch_alloc::CudaDriver::available() {
+        return true;
+    }
+    let why = stitch_alloc::CudaDriver::unavailable_reason().unwrap_or_default();
+    if std::env::var("STITCH_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+        panic!("{test}: no CUDA device ({why}), and STITCH_REQUIRE_GPU=1 demands one");
+    }
+    // Written to the stderr handle directly: libtest does not capture that, so the skip is
+    // visible in every run, not only in failing ones.
+    use std::io::Write;
+    let _ = writeln!(
+        std::io::stderr(),
+        "SKIPPED (no CUDA device): {test} ({why})"
+    );
+    false
+}
