@@ -36,6 +36,7 @@ mod allocator;
 mod backend;
 pub mod capi;
 mod config;
+pub mod cost;
 pub mod driver;
 mod engine;
 mod error;

@@ -23,8 +23,8 @@
 #![forbid(unsafe_code)]
 
 use crate::driver::{
-    CudaDriver, CudaStream, DevAddr, Driver, DriverResult, EventId, HostDriver, LeakReport,
-    MemInfo, PhysHandle, SimDriver, WorkId,
+    CudaDriver, CudaStream, DevAddr, Driver, DriverResult, EventId, Forward, HostDriver,
+    LeakReport, SimDriver, WorkId,
 };
 use crate::{AllocError, Allocator, Config, DevicePtr, Stream};
 use parking_lot::Mutex;
@@ -250,57 +250,17 @@ impl Drop for CudaTestDevice {
     }
 }
 
-impl Driver for CudaTestDevice {
-    fn name(&self) -> &'static str {
-        self.gpu.name()
+/// Forwards to the GPU, except that host copies go through the private copy stream.
+impl Forward for CudaTestDevice {
+    type Inner = CudaDriver;
+    fn inner(&self) -> &CudaDriver {
+        &self.gpu
     }
-    fn granularity(&self) -> u64 {
-        self.gpu.granularity()
-    }
-    fn mem_info(&self) -> DriverResult<MemInfo> {
-        self.gpu.mem_info()
-    }
-    fn reserve(&self, size: u64) -> DriverResult<DevAddr> {
-        self.gpu.reserve(size)
-    }
-    fn free_reservation(&self, base: DevAddr, size: u64) -> DriverResult<()> {
-        self.gpu.free_reservation(base, size)
-    }
-    fn create(&self, size: u64) -> DriverResult<PhysHandle> {
-        self.gpu.create(size)
-    }
-    fn release(&self, handle: PhysHandle) -> DriverResult<()> {
-        self.gpu.release(handle)
-    }
-    fn map(&self, addr: DevAddr, size: u64, handle: PhysHandle) -> DriverResult<()> {
-        self.gpu.map(addr, size, handle)
-    }
-    fn unmap(&self, addr: DevAddr, size: u64) -> DriverResult<()> {
-        self.gpu.unmap(addr, size)
-    }
-    fn set_access(&self, addr: DevAddr, size: u64) -> DriverResult<()> {
-        self.gpu.set_access(addr, size)
-    }
-    fn record_event(&self, stream: Stream) -> DriverResult<EventId> {
-        self.gpu.record_event(stream)
-    }
-    fn query_event(&self, event: EventId) -> DriverResult<bool> {
-        self.gpu.query_event(event)
-    }
-    fn wait_event(&self, event: EventId) -> DriverResult<()> {
-        self.gpu.wait_event(event)
-    }
-    fn destroy_event(&self, event: EventId) -> DriverResult<()> {
-        self.gpu.destroy_event(event)
-    }
-    fn write(&self, addr: DevAddr, data: &[u8]) -> DriverResult<()> {
+    fn forward_write(&self, addr: DevAddr, data: &[u8]) -> DriverResult<()> {
         self.gpu.write_on(self.copy.stream(), addr, data)
     }
-    fn read(&self, addr: DevAddr, buf: &mut [u8]) -> DriverResult<()> {
+    fn forward_read(&self, addr: DevAddr, buf: &mut [u8]) -> DriverResult<()> {
         self.gpu.read_on(self.copy.stream(), addr, buf)
-    }
-    fn has_data(&self) -> bool {
-        true
     }
 }
 

@@ -8,6 +8,7 @@
 //!
 //! This module holds all of the crate's CUDA `unsafe` code.
 
+use super::ledger::Ledger;
 use super::{
     code, DevAddr, Driver, DriverError, DriverOp, DriverResult, EventId, LeakReport, MemInfo,
     PhysHandle, Stream,
@@ -253,13 +254,12 @@ pub struct CudaDriver {
 }
 
 /// Resources handed out through the [`Driver`] calls and not yet given back. CUDA cannot
-/// enumerate them, so the driver counts them itself.
-#[derive(Debug, Default)]
+/// enumerate them, so the driver keeps them itself.
+#[derive(Debug)]
 struct Held {
-    /// Live handles and their sizes.
-    handles: rustc_hash::FxHashMap<u64, u64>,
-    mappings: usize,
-    reservations: usize,
+    /// Reservations, handles and mappings, committed after each successful call (the CPU
+    /// backends' ledger; its rule checks are left to the real driver).
+    ledger: Ledger,
     /// Events returned by `record_event` and not yet passed to `destroy_event`.
     events: usize,
 }
@@ -437,7 +437,10 @@ impl CudaDriver {
             granularity: 0,
             access,
             event_pool: Mutex::new(Vec::new()),
-            held: Mutex::new(Held::default()),
+            held: Mutex::new(Held {
+                ledger: Ledger::new(1, u64::MAX),
+                events: 0,
+            }),
             driver_version: info.driver_version,
             device_name,
         };
@@ -634,11 +637,8 @@ impl CudaDriver {
     pub fn leak_report(&self) -> LeakReport {
         let held = self.held.lock();
         LeakReport {
-            handles: held.handles.len(),
-            handle_bytes: held.handles.values().sum(),
-            mappings: held.mappings,
-            reservations: held.reservations,
             events: held.events,
+            ..held.ledger.leak_report()
         }
     }
 
@@ -963,7 +963,7 @@ impl Driver for CudaDriver {
                 0,
             )
         })?;
-        self.held.lock().reservations += 1;
+        self.held.lock().ledger.commit_reserve(ptr, size);
         Ok(ptr)
     }
 
@@ -975,8 +975,7 @@ impl Driver for CudaDriver {
         check(op, "cuMemAddressFree", unsafe {
             sys::cuMemAddressFree(base, usize_of(op, size)?)
         })?;
-        let mut held = self.held.lock();
-        held.reservations = held.reservations.saturating_sub(1);
+        self.held.lock().ledger.commit_free_reservation(base);
         Ok(())
     }
 
@@ -989,7 +988,7 @@ impl Driver for CudaDriver {
         check(op, "cuMemCreate", unsafe {
             sys::cuMemCreate(&mut h, usize_of(op, size)?, &prop, 0)
         })?;
-        self.held.lock().handles.insert(h, size);
+        self.held.lock().ledger.commit_create_as(h, size);
         Ok(PhysHandle(h))
     }
 
@@ -998,7 +997,7 @@ impl Driver for CudaDriver {
         self.bind(op)?;
         // SAFETY: the handle is an opaque integer the driver validates.
         check(op, "cuMemRelease", unsafe { sys::cuMemRelease(handle.0) })?;
-        self.held.lock().handles.remove(&handle.0);
+        self.held.lock().ledger.commit_release(handle);
         Ok(())
     }
 
@@ -1010,7 +1009,7 @@ impl Driver for CudaDriver {
         check(op, "cuMemMap", unsafe {
             sys::cuMemMap(addr, usize_of(op, size)?, 0, handle.0, 0)
         })?;
-        self.held.lock().mappings += 1;
+        self.held.lock().ledger.commit_map(addr, size, handle);
         Ok(())
     }
 
@@ -1022,8 +1021,7 @@ impl Driver for CudaDriver {
         check(op, "cuMemUnmap", unsafe {
             sys::cuMemUnmap(addr, usize_of(op, size)?)
         })?;
-        let mut held = self.held.lock();
-        held.mappings = held.mappings.saturating_sub(1);
+        self.held.lock().ledger.commit_unmap(addr);
         Ok(())
     }
 

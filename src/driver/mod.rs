@@ -17,23 +17,29 @@
 //! [`HostDriver`] (real OS virtual memory with `mmap` and `memfd`, so remapped bytes survive)
 //! and [`CudaDriver`] (a real GPU through the CUDA driver API, loaded at run time).
 //! [`AnyDriver`](crate::AnyDriver) picks one at run time.
+//!
+//! Wrappers ([`FaultyDriver`]: fault injection; [`Metering`] as [`Timed`] or [`Metered`]:
+//! call counts, wall time and the cost model's price; `Arc<D>`; `AnyDriver`) implement
+//! [`Forward`] only: its blanket implementation forwards every call and runs their hooks.
 
+mod forward;
 mod ledger;
 mod streams;
 
 pub mod cuda;
 pub mod faulty;
 pub mod host;
+pub mod meter;
 pub mod sim;
-pub mod timed;
 
 pub use cuda::{CudaDriver, CudaStream};
 pub use faulty::FaultyDriver;
+pub use forward::{Call, Done, Forward};
 pub use host::HostDriver;
 pub use ledger::LeakReport;
+pub use meter::{Meter, Metered, Metering, OpTiming, Timed, Timings};
 pub use sim::SimDriver;
 pub use streams::WorkId;
-pub use timed::{OpTiming, Timed, Timings};
 
 use serde::Serialize;
 use std::fmt;
@@ -335,74 +341,4 @@ pub trait SimulatedWork {
     fn complete(&self, stream: Stream, upto: Option<WorkId>);
     /// Whether work `w` has completed.
     fn work_done(&self, w: WorkId) -> bool;
-}
-
-/// A shared driver: lets a test keep a handle on the driver (say, to read a `SimDriver`'s
-/// leak report after the allocator is dropped).
-///
-/// ```
-/// use std::sync::Arc;
-/// use stitch_alloc::{Allocator, Config, Stream};
-/// use stitch_alloc::driver::SimDriver;
-/// let sim = Arc::new(SimDriver::with_capacity(1 << 30));
-/// let a = Allocator::new(sim.clone(), Config::default()).unwrap();
-/// a.alloc(10 << 20, Stream::DEFAULT).unwrap();
-/// drop(a); // gives everything back, reporting the live allocation as a leak
-/// assert!(sim.leak_report().is_clean());
-/// ```
-impl<T: Driver + ?Sized> Driver for std::sync::Arc<T> {
-    fn name(&self) -> &'static str {
-        (**self).name()
-    }
-    fn granularity(&self) -> u64 {
-        (**self).granularity()
-    }
-    fn mem_info(&self) -> DriverResult<MemInfo> {
-        (**self).mem_info()
-    }
-    fn reserve(&self, size: u64) -> DriverResult<DevAddr> {
-        (**self).reserve(size)
-    }
-    fn free_reservation(&self, base: DevAddr, size: u64) -> DriverResult<()> {
-        (**self).free_reservation(base, size)
-    }
-    fn create(&self, size: u64) -> DriverResult<PhysHandle> {
-        (**self).create(size)
-    }
-    fn release(&self, handle: PhysHandle) -> DriverResult<()> {
-        (**self).release(handle)
-    }
-    fn map(&self, addr: DevAddr, size: u64, handle: PhysHandle) -> DriverResult<()> {
-        (**self).map(addr, size, handle)
-    }
-    fn unmap(&self, addr: DevAddr, size: u64) -> DriverResult<()> {
-        (**self).unmap(addr, size)
-    }
-    fn set_access(&self, addr: DevAddr, size: u64) -> DriverResult<()> {
-        (**self).set_access(addr, size)
-    }
-    fn record_event(&self, stream: Stream) -> DriverResult<EventId> {
-        (**self).record_event(stream)
-    }
-    fn query_event(&self, event: EventId) -> DriverResult<bool> {
-        (**self).query_event(event)
-    }
-    fn wait_event(&self, event: EventId) -> DriverResult<()> {
-        (**self).wait_event(event)
-    }
-    fn destroy_event(&self, event: EventId) -> DriverResult<()> {
-        (**self).destroy_event(event)
-    }
-    fn write(&self, addr: DevAddr, data: &[u8]) -> DriverResult<()> {
-        (**self).write(addr, data)
-    }
-    fn read(&self, addr: DevAddr, buf: &mut [u8]) -> DriverResult<()> {
-        (**self).read(addr, buf)
-    }
-    fn has_data(&self) -> bool {
-        (**self).has_data()
-    }
-    fn simulated_work(&self) -> Option<&dyn SimulatedWork> {
-        (**self).simulated_work()
-    }
 }
