@@ -43,6 +43,7 @@ mod error;
 pub mod plot;
 pub mod replay;
 pub mod stats;
+#[cfg(feature = "testing")]
 pub mod testing;
 pub mod trace;
 
