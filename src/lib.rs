@@ -31,6 +31,7 @@
 //! OS or the GPU; [`AnyDriver`] picks one at run time), the engine (pure data structures and
 //! algorithms), and [`Allocator`] (a lock around the engine). See `design/ARCHITECTURE.md`.
 #![deny(missing_docs)]
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 mod allocator;
 mod backend;

@@ -319,7 +319,7 @@ pub fn replay<D: Driver>(
     let mut last_stitches = alloc.stats().stitches;
     let mut probe_time = 0.0f64;
     let limit = opts.stop_after.unwrap_or(usize::MAX);
-    let dev_stream = |s: u64| opts.streams.get(&s).copied().unwrap_or(Stream(s));
+    let dev_stream = |s: u64| opts.streams.get(&s).copied().unwrap_or(Stream::sim(s));
     let t0 = Instant::now();
     for (i, ev) in trace.events.iter().enumerate() {
         if i >= limit {

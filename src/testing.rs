@@ -36,9 +36,9 @@ use std::sync::Arc;
 /// and [`CudaTestDevice`] (real streams and GPU work).
 pub trait TestDevice: Driver + 'static {
     /// The stream that operations name by number `n` (`0..STREAMS`). The CPU backends use
-    /// `Stream(n)`; a GPU needs real stream handles.
+    /// `Stream::sim(n)`; a GPU needs real stream handles.
     fn test_stream(&self, n: u8) -> Stream {
-        Stream(n as u64)
+        Stream::sim(n as u64)
     }
     /// Queue work touching `[addr, addr+len)` on `stream` (it must not change the bytes).
     fn launch(&self, stream: Stream, addr: u64, len: u64) -> WorkId;
@@ -214,7 +214,7 @@ impl CudaTestDevice {
     fn index(&self, s: Stream) -> usize {
         (0..STREAMS)
             .position(|n| self.test_stream(n) == s)
-            .unwrap_or_else(|| panic!("stream {:#x} is not a test stream", s.0))
+            .unwrap_or_else(|| panic!("stream {:#x} is not a test stream", s.raw()))
     }
 
     /// Destroy the events of completed work (all work when `stream` is `None`).
@@ -275,7 +275,7 @@ impl TestDevice for CudaTestDevice {
     fn launch(&self, stream: Stream, addr: u64, len: u64) -> WorkId {
         let scratch = self.scratch[self.index(stream)];
         fn fail<T>(stream: Stream, e: crate::driver::DriverError) -> T {
-            panic!("launch on stream {:#x} failed: {e}", stream.0)
+            panic!("launch on stream {:#x} failed: {e}", stream.raw())
         }
         for i in 0..CUDA_PAD_MEMSETS {
             self.gpu
@@ -304,7 +304,7 @@ impl TestDevice for CudaTestDevice {
     fn complete(&self, stream: Stream) {
         self.gpu
             .stream_synchronize(stream)
-            .unwrap_or_else(|e| panic!("work on stream {:#x} failed: {e}", stream.0));
+            .unwrap_or_else(|e| panic!("work on stream {:#x} failed: {e}", stream.raw()));
         self.retire(Some(stream));
     }
 
@@ -667,7 +667,7 @@ impl<T: TestDevice> Harness<T> {
                 }) {
                     return Err(format!(
                         "stream rule: {p:#x}+{size} handed to stream {} while work on stream {} still uses {:#x}",
-                        stream.0, h.stream.0, h.addr
+                        stream.raw(), h.stream.raw(), h.addr
                     ));
                 }
                 let l = Live {
@@ -709,7 +709,12 @@ impl<T: TestDevice> Harness<T> {
             }
             Err(AllocError::ZeroSize) if size == 0 => self.counts.refused += 1,
             Err(AllocError::TooLarge { .. }) if size > cap => self.counts.refused += 1,
-            Err(e) => return Err(format!("alloc({size}, stream {}) failed: {e}", stream.0)),
+            Err(e) => {
+                return Err(format!(
+                    "alloc({size}, stream {}) failed: {e}",
+                    stream.raw()
+                ))
+            }
         }
         Ok(())
     }

@@ -11,8 +11,11 @@
 //! compiled only with the `cuda-test-helpers` feature; the production path requires only
 //! the VMM, event and context symbols listed in `SYMBOLS`.
 
+mod event_pool;
 #[cfg(feature = "cuda-test-helpers")]
 mod helpers;
+
+use event_pool::{EventPool, Retired};
 
 use super::ledger::Ledger;
 use super::{
@@ -288,23 +291,15 @@ pub struct CudaDriver {
     granularity: u64,
     /// One read-write access descriptor per device that gets access (the device first).
     access: Vec<sys::CUmemAccessDesc>,
-    /// Destroyed events kept for reuse (raw `CUevent` values).
-    event_pool: Mutex<Vec<u64>>,
-    /// What callers hold through this driver (for [`CudaDriver::leak_report`]).
-    held: Mutex<Held>,
+    /// Events handed out, and destroyed ones kept for reuse (raw `CUevent` values).
+    events: Mutex<EventPool>,
+    /// Reservations, handles and mappings handed out through the [`Driver`] calls and not
+    /// yet given back, committed after each successful call (the CPU backends' ledger; its
+    /// rule checks are left to the real driver). CUDA cannot enumerate them, so the driver
+    /// keeps them: for [`CudaDriver::leak_report`], and to refuse handles it does not hold.
+    held: Mutex<Ledger>,
     driver_version: i32,
     device_name: String,
-}
-
-/// Resources handed out through the [`Driver`] calls and not yet given back. CUDA cannot
-/// enumerate them, so the driver keeps them itself.
-#[derive(Debug)]
-struct Held {
-    /// Reservations, handles and mappings, committed after each successful call (the CPU
-    /// backends' ledger; its rule checks are left to the real driver).
-    ledger: Ledger,
-    /// Events returned by `record_event` and not yet passed to `destroy_event`.
-    events: usize,
 }
 
 impl std::fmt::Debug for CudaDriver {
@@ -479,11 +474,8 @@ impl CudaDriver {
             ctx: ctx as usize,
             granularity: 0,
             access,
-            event_pool: Mutex::new(Vec::new()),
-            held: Mutex::new(Held {
-                ledger: Ledger::new(1, u64::MAX),
-                events: 0,
-            }),
+            events: Mutex::new(EventPool::new(EVENT_POOL_MAX)),
+            held: Mutex::new(Ledger::new(1, u64::MAX)),
             driver_version: info.driver_version,
             device_name,
         };
@@ -593,8 +585,34 @@ impl CudaDriver {
         Ok(())
     }
 
+    /// Refuse a handle this driver does not hold (never created here, or released): it is
+    /// never passed to libcuda.
+    fn check_handle(&self, op: DriverOp, handle: PhysHandle) -> DriverResult<()> {
+        if self.held.lock().handles.contains_key(&handle.raw()) {
+            return Ok(());
+        }
+        Err(DriverError::new(
+            op,
+            code::INVALID_HANDLE,
+            format!(
+                "handle {:#x} was not created by this driver, or was released",
+                handle.raw()
+            ),
+        ))
+    }
+
+    /// Refuse an event this driver did not hand out, or that was destroyed.
+    fn check_event(&self, op: DriverOp, event: EventId) -> DriverResult<()> {
+        if self.events.lock().is_live(event.raw()) {
+            Ok(())
+        } else {
+            Err(unknown_event(op, event))
+        }
+    }
+
+    /// A spare event or a new one (not yet handed out).
     fn new_event(&self) -> DriverResult<u64> {
-        if let Some(ev) = self.event_pool.lock().pop() {
+        if let Some(ev) = self.events.lock().take_spare() {
             return Ok(ev);
         }
         let mut ev: sys::CUevent = std::ptr::null_mut();
@@ -632,6 +650,9 @@ impl std::fmt::Debug for CudaStream {
 impl CudaStream {
     /// The stream's raw handle, for [`Driver::record_event`], the allocator and the
     /// `*_async` helpers of [`CudaDriver`].
+    ///
+    /// The value stays valid while this `CudaStream` lives: drop it only once the allocator
+    /// no longer uses the stream (no allocation made or freed on it is still pending).
     pub fn stream(&self) -> Stream {
         Stream(self.raw)
     }
@@ -675,10 +696,9 @@ impl CudaDriver {
     /// }
     /// ```
     pub fn leak_report(&self) -> LeakReport {
-        let held = self.held.lock();
         LeakReport {
-            events: held.events,
-            ..held.ledger.leak_report()
+            events: self.events.lock().live_count(),
+            ..self.held.lock().leak_report()
         }
     }
 
@@ -721,10 +741,10 @@ impl CudaDriver {
         let op = DriverOp::WaitEvent;
         STREAM_SYMBOLS.require(op)?;
         self.bind(op)?;
-        // SAFETY: `stream` is 0 or a live stream of this context (the caller's duty, see the
-        // impl's documentation).
+        let s = cu_stream(op, stream)?;
+        // SAFETY: `s` is 0 or a real stream of this context (see `cu_stream`).
         check(op, "cuStreamSynchronize", unsafe {
-            sys::cuStreamSynchronize(stream.0 as sys::CUstream)
+            sys::cuStreamSynchronize(s)
         })
     }
 
@@ -756,6 +776,36 @@ fn access_desc(device: sys::CUdevice) -> sys::CUmemAccessDesc {
         },
         flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
     }
+}
+
+/// The `CUstream` of `stream`, refusing a simulated stream ([`Stream::sim`]): its raw value
+/// is no stream of any context. What remains is 0 (the legacy default stream) or a real
+/// stream: a `Stream` is otherwise made only by [`CudaStream::stream`] (a stream of this
+/// crate, live while the `CudaStream` is) or by the `unsafe` [`Stream::from_raw`], whose
+/// caller vouches that it is a live stream of the device's primary context.
+fn cu_stream(op: DriverOp, stream: Stream) -> DriverResult<sys::CUstream> {
+    if stream.is_sim() {
+        return Err(DriverError::new(
+            op,
+            code::INVALID_HANDLE,
+            format!(
+                "stream {:#x} is a simulated stream (Stream::sim), not a CUDA stream",
+                stream.raw()
+            ),
+        ));
+    }
+    Ok(stream.raw() as sys::CUstream)
+}
+
+fn unknown_event(op: DriverOp, event: EventId) -> DriverError {
+    DriverError::new(
+        op,
+        code::INVALID_HANDLE,
+        format!(
+            "event {:#x} was not handed out by this driver, or was destroyed",
+            event.raw()
+        ),
+    )
 }
 
 fn usize_of(op: DriverOp, v: u64) -> DriverResult<usize> {
@@ -805,7 +855,7 @@ impl Driver for CudaDriver {
                 0,
             )
         })?;
-        self.held.lock().ledger.commit_reserve(ptr, size);
+        self.held.lock().commit_reserve(ptr, size);
         Ok(ptr)
     }
 
@@ -817,7 +867,7 @@ impl Driver for CudaDriver {
         check(op, "cuMemAddressFree", unsafe {
             sys::cuMemAddressFree(base, usize_of(op, size)?)
         })?;
-        self.held.lock().ledger.commit_free_reservation(base);
+        self.held.lock().commit_free_reservation(base);
         Ok(())
     }
 
@@ -830,28 +880,32 @@ impl Driver for CudaDriver {
         check(op, "cuMemCreate", unsafe {
             sys::cuMemCreate(&mut h, usize_of(op, size)?, &prop, 0)
         })?;
-        self.held.lock().ledger.commit_create_as(h, size);
-        Ok(PhysHandle(h))
+        self.held.lock().commit_create_as(h, size);
+        Ok(PhysHandle::new(h))
     }
 
     fn release(&self, handle: PhysHandle) -> DriverResult<()> {
         let op = DriverOp::Release;
         self.bind(op)?;
-        // SAFETY: the handle is an opaque integer the driver validates.
-        check(op, "cuMemRelease", unsafe { sys::cuMemRelease(handle.0) })?;
-        self.held.lock().ledger.commit_release(handle);
+        self.check_handle(op, handle)?;
+        // SAFETY: `check_handle` found the handle created by this driver and not released.
+        check(op, "cuMemRelease", unsafe {
+            sys::cuMemRelease(handle.raw())
+        })?;
+        self.held.lock().commit_release(handle);
         Ok(())
     }
 
     fn map(&self, addr: DevAddr, size: u64, handle: PhysHandle) -> DriverResult<()> {
         let op = DriverOp::Map;
+        self.check_handle(op, handle)?;
         self.bind(op)?;
         // SAFETY: maps into reserved address space only; the driver rejects ranges outside a
         // reservation or overlapping a mapping. Offset and flags must be 0.
         check(op, "cuMemMap", unsafe {
-            sys::cuMemMap(addr, usize_of(op, size)?, 0, handle.0, 0)
+            sys::cuMemMap(addr, usize_of(op, size)?, 0, handle.raw(), 0)
         })?;
-        self.held.lock().ledger.commit_map(addr, size, handle);
+        self.held.lock().commit_map(addr, size, handle);
         Ok(())
     }
 
@@ -863,7 +917,7 @@ impl Driver for CudaDriver {
         check(op, "cuMemUnmap", unsafe {
             sys::cuMemUnmap(addr, usize_of(op, size)?)
         })?;
-        self.held.lock().ledger.commit_unmap(addr);
+        self.held.lock().commit_unmap(addr);
         Ok(())
     }
 
@@ -883,26 +937,29 @@ impl Driver for CudaDriver {
 
     fn record_event(&self, stream: Stream) -> DriverResult<EventId> {
         let op = DriverOp::RecordEvent;
+        let cu_stream = cu_stream(op, stream)?;
         self.bind(op)?;
         let ev = self.new_event()?;
-        // SAFETY: `ev` is a live event of this context; `stream.0` is a CUstream of this
-        // context given by the caller (0 is the legacy default stream).
-        let r = unsafe { sys::cuEventRecord(ev as sys::CUevent, stream.0 as sys::CUstream) };
+        // SAFETY: `ev` is a live event of this context (new or spare, not handed out);
+        // `cu_stream` is 0 (the legacy default stream) or a stream of this context: a
+        // `Stream` is made only by `CudaStream::stream` or by the `unsafe Stream::from_raw`
+        // whose caller vouches for it, and simulated ones were refused above.
+        let r = unsafe { sys::cuEventRecord(ev as sys::CUevent, cu_stream) };
+        self.events.lock().hand_out(ev);
         if let Err(e) = check(op, "cuEventRecord", r) {
-            self.held.lock().events += 1; // balanced by the destroy below
-            let _ = self.destroy_event(EventId(ev));
+            let _ = self.destroy_event(EventId::new(ev));
             return Err(e);
         }
-        self.held.lock().events += 1;
-        Ok(EventId(ev))
+        Ok(EventId::new(ev))
     }
 
     fn query_event(&self, event: EventId) -> DriverResult<bool> {
         let op = DriverOp::QueryEvent;
+        self.check_event(op, event)?;
         self.bind(op)?;
-        // SAFETY: the event came from `record_event` and was not destroyed (caller's duty;
-        // the driver rejects most stale handles).
-        let r = unsafe { sys::cuEventQuery(event.0 as sys::CUevent) };
+        // SAFETY: `check_event` found the event handed out by `record_event` and not
+        // destroyed, so it is a live event of this context.
+        let r = unsafe { sys::cuEventQuery(event.raw() as sys::CUevent) };
         match r {
             sys::CUresult::CUDA_SUCCESS => Ok(true),
             sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
@@ -912,31 +969,26 @@ impl Driver for CudaDriver {
 
     fn wait_event(&self, event: EventId) -> DriverResult<()> {
         let op = DriverOp::WaitEvent;
+        self.check_event(op, event)?;
         self.bind(op)?;
         // SAFETY: as in `query_event`.
         check(op, "cuEventSynchronize", unsafe {
-            sys::cuEventSynchronize(event.0 as sys::CUevent)
+            sys::cuEventSynchronize(event.raw() as sys::CUevent)
         })
     }
 
     fn destroy_event(&self, event: EventId) -> DriverResult<()> {
-        {
-            let mut held = self.held.lock();
-            held.events = held.events.saturating_sub(1);
-        }
-        {
-            let mut pool = self.event_pool.lock();
-            if pool.len() < EVENT_POOL_MAX && !pool.contains(&event.0) {
-                pool.push(event.0);
-                return Ok(());
-            }
-        }
         let op = DriverOp::DestroyEvent;
+        match self.events.lock().retire(event.raw()) {
+            None => return Err(unknown_event(op, event)),
+            Some(Retired::Pooled) => return Ok(()),
+            Some(Retired::Destroy) => {}
+        }
         self.bind(op)?;
-        // SAFETY: the event came from `record_event`; it is not in the pool, so it is
-        // destroyed once.
+        // SAFETY: the pool found the event handed out and not destroyed, and took it out of
+        // the live set without keeping it as a spare: it is destroyed exactly once, here.
         check(op, "cuEventDestroy", unsafe {
-            sys::cuEventDestroy_v2(event.0 as sys::CUevent)
+            sys::cuEventDestroy_v2(event.raw() as sys::CUevent)
         })
     }
 
@@ -979,7 +1031,7 @@ impl Driver for CudaDriver {
 
 impl Drop for CudaDriver {
     fn drop(&mut self) {
-        let pooled = std::mem::take(&mut *self.event_pool.lock());
+        let pooled = self.events.get_mut().drain_spare();
         if !pooled.is_empty() && self.bind(DriverOp::DestroyEvent).is_ok() {
             for ev in pooled {
                 // SAFETY: pooled events are live events of this context, each pooled once.
@@ -1023,6 +1075,22 @@ mod tests {
         assert!(CudaDriver::unavailable_reason()
             .unwrap()
             .contains("libcuda"));
+    }
+
+    #[test]
+    fn simulated_streams_are_refused_before_any_cuda_call() {
+        let e = cu_stream(DriverOp::RecordEvent, Stream::sim(1)).unwrap_err();
+        assert_eq!(e.code, code::INVALID_HANDLE);
+        assert!(e.message.contains("simulated"), "{e}");
+        assert!(cu_stream(DriverOp::RecordEvent, Stream::DEFAULT)
+            .unwrap()
+            .is_null());
+        // SAFETY: the value is only converted, never given to libcuda.
+        let real = unsafe { Stream::from_raw(0x7f00_dead_0000) };
+        assert_eq!(
+            cu_stream(DriverOp::RecordEvent, real).unwrap() as u64,
+            0x7f00_dead_0000
+        );
     }
 
     #[test]

@@ -299,7 +299,7 @@ impl Engine {
             vacant: Vec::new(),
             live: FxHashMap::default(),
             owners: vec![Owner {
-                stream: Stream(u64::MAX),
+                stream: Stream::sim(u64::MAX),
                 free_seq: 0,
                 fence: None,
             }],
@@ -732,7 +732,8 @@ impl Engine {
         overfit: bool,
     ) -> Result<u64> {
         self.stats.slow_allocs += 1;
-        let _span = tracing::debug_span!("alloc_slow", size, ?pool, stream = stream.0).entered();
+        let _span =
+            tracing::debug_span!("alloc_slow", size, ?pool, stream = stream.raw()).entered();
         // Frees fenced since the last slow path may have become clean and merged.
         self.poll(d, false)?;
         let fits = if overfit {
@@ -1808,7 +1809,7 @@ impl Engine {
                 tracing::error!(%e, "unmapping old mappings failed during teardown");
             }
             let mut evs: Vec<EventId> = self.ghosts.iter().filter_map(|g| g.event).collect();
-            evs.sort_by_key(|e| e.0);
+            evs.sort_by_key(|e| e.raw());
             evs.dedup();
             for e in evs {
                 self.destroy_event(d, e);
@@ -2019,12 +2020,14 @@ impl Engine {
                 loop {
                     let (state, stream, requested) = match b.state {
                         State::Live { requested, stream } => {
-                            ("live", Some(stream.0), Some(requested))
+                            ("live", Some(stream.raw()), Some(requested))
                         }
                         State::Free { owner: 0, .. } => ("free", None, None),
-                        State::Free { owner, .. } => {
-                            ("dirty", Some(self.owners[owner as usize].stream.0), None)
-                        }
+                        State::Free { owner, .. } => (
+                            "dirty",
+                            Some(self.owners[owner as usize].stream.raw()),
+                            None,
+                        ),
                         State::Pending => ("pending", None, None),
                         State::Vacant => unreachable!(),
                     };

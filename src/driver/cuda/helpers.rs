@@ -14,7 +14,7 @@
 //! a bad one gives an error (or, for queued work, a sticky `CUDA_ERROR_ILLEGAL_ADDRESS` that
 //! the next synchronisation reports), never a host memory error.
 
-use super::{check, usize_of, CudaDriver, SymbolGroup};
+use super::{check, cu_stream, usize_of, CudaDriver, SymbolGroup};
 use crate::driver::{DevAddr, DriverOp, DriverResult, Stream};
 use cudarc::driver::sys;
 use std::ffi::c_void;
@@ -54,9 +54,9 @@ impl CudaDriver {
         let op = DriverOp::Copy;
         self.bind_helper(op)?;
         // SAFETY: only device memory is written; the driver validates the range (an invalid
-        // one fails or faults on the device, never on the host). Stream: caller's duty.
+        // one fails or faults on the device, never on the host). The stream is 0 or real (see `cu_stream`).
         check(op, "cuMemsetD32Async", unsafe {
-            sys::cuMemsetD32Async(addr, value, usize_of(op, count)?, stream.0 as sys::CUstream)
+            sys::cuMemsetD32Async(addr, value, usize_of(op, count)?, cu_stream(op, stream)?)
         })
     }
 
@@ -71,9 +71,9 @@ impl CudaDriver {
     ) -> DriverResult<()> {
         let op = DriverOp::Copy;
         self.bind_helper(op)?;
-        // SAFETY: device memory only, validated by the driver; stream: caller's duty.
+        // SAFETY: device memory only, validated by the driver; the stream is 0 or real (see `cu_stream`).
         check(op, "cuMemcpyDtoDAsync", unsafe {
-            sys::cuMemcpyDtoDAsync_v2(dst, src, usize_of(op, len)?, stream.0 as sys::CUstream)
+            sys::cuMemcpyDtoDAsync_v2(dst, src, usize_of(op, len)?, cu_stream(op, stream)?)
         })
     }
 
@@ -93,7 +93,7 @@ impl CudaDriver {
                 addr,
                 data.as_ptr() as *const c_void,
                 data.len(),
-                stream.0 as sys::CUstream,
+                cu_stream(op, stream)?,
             )
         })?;
         self.stream_synchronize(stream)
@@ -113,7 +113,7 @@ impl CudaDriver {
                 buf.as_mut_ptr() as *mut c_void,
                 addr,
                 buf.len(),
-                stream.0 as sys::CUstream,
+                cu_stream(op, stream)?,
             )
         })?;
         self.stream_synchronize(stream)
@@ -187,9 +187,9 @@ impl CudaDriver {
         let op = DriverOp::Create;
         self.bind_helper(op)?;
         let mut p: sys::CUdeviceptr = 0;
-        // SAFETY: valid out-pointer; stream: caller's duty.
+        // SAFETY: valid out-pointer; the stream is 0 or real (see `cu_stream`).
         check(op, "cuMemAllocAsync", unsafe {
-            sys::cuMemAllocAsync(&mut p, usize_of(op, size)?, stream.0 as sys::CUstream)
+            sys::cuMemAllocAsync(&mut p, usize_of(op, size)?, cu_stream(op, stream)?)
         })?;
         Ok(p)
     }
@@ -199,9 +199,9 @@ impl CudaDriver {
     pub fn mem_free_async(&self, addr: DevAddr, stream: Stream) -> DriverResult<()> {
         let op = DriverOp::Release;
         self.bind_helper(op)?;
-        // SAFETY: the driver validates the address; stream: caller's duty.
+        // SAFETY: the driver validates the address; the stream is 0 or real (see `cu_stream`).
         check(op, "cuMemFreeAsync", unsafe {
-            sys::cuMemFreeAsync(addr, stream.0 as sys::CUstream)
+            sys::cuMemFreeAsync(addr, cu_stream(op, stream)?)
         })
     }
 
