@@ -1,6 +1,9 @@
 //! Policy lab: an LLM-inference-like workload on SimDriver, reporting ratio and modeled
 //! driver time for a few handle-size settings. (Quick experiment; `stitch replay` is the tool.)
-use stitch_alloc::driver::{DriverOp, SimDriver};
+//!
+//! Modeled driver time is the crate's one cost model (`stitch_alloc::cost`, the H200 table),
+//! applied by a `Timed` driver to every call with the exact size of the handles it touches.
+use stitch_alloc::driver::{DriverOp, SimDriver, Timed};
 use stitch_alloc::{Allocator, Config, DevicePtr, Stream};
 
 const MIB: u64 = 1 << 20;
@@ -25,7 +28,7 @@ impl Rng {
 }
 
 fn run(cfg: Config, seed: u64) {
-    let a = Allocator::new(SimDriver::new(), cfg).unwrap();
+    let a = Allocator::new(Timed::new(SimDriver::new()), cfg).unwrap();
     let s = Stream::DEFAULT;
     let mut r = Rng(seed);
     let mut events = 0u64;
@@ -129,10 +132,7 @@ fn run(cfg: Config, seed: u64) {
     }
     let st = a.stats();
     let c = st.calls;
-    let us = c.get(DriverOp::Map) as f64 * 31.0
-        + c.get(DriverOp::Unmap) as f64 * 22.0
-        + c.get(DriverOp::Create) as f64 * 15.0
-        + c.get(DriverOp::Release) as f64 * 20.0;
+    let us = a.driver().meter().total_us();
     println!(
         "events {events} fails {fails} peak_live {:.2} GiB peak_reserved {:.2} GiB ratio {:.4} stitches {} ext {} moved {} created {} maps {} modeled {:.3} s",
         peak_live as f64 / (1u64 << 30) as f64,

@@ -30,7 +30,7 @@ fn main() {
     )
     .expect("allocator");
     let g = a.granularity();
-    let streams = [Stream(0), Stream(1)];
+    let streams = [Stream::sim(0), Stream::sim(1)];
     let mut live: Vec<(DevicePtr, Stream)> = Vec::new();
     let (mut ooms, mut max_live, mut max_meta_per_live) = (0u64, 0usize, 0f64);
     let t = Instant::now();

@@ -36,7 +36,7 @@ fn main() {
     for e in &t.events {
         match *e {
             Event::Alloc { id, bytes, stream } => {
-                ptrs.insert(id, a.alloc(bytes, Stream(stream)).unwrap());
+                ptrs.insert(id, a.alloc(bytes, Stream::sim(stream)).unwrap());
                 let r = a.stats().reserved.current;
                 if best.as_ref().is_none_or(|b| r > b.0) {
                     best = Some((r, a.snapshot()));
@@ -44,7 +44,7 @@ fn main() {
             }
             Event::Free { id, stream } => {
                 let p = ptrs.remove(&id).unwrap();
-                a.free(p, Stream(stream.unwrap_or(0))).unwrap();
+                a.free(p, Stream::sim(stream.unwrap_or(0))).unwrap();
             }
             Event::ProbeLargest => {}
         }

@@ -160,7 +160,7 @@ impl<D: Driver> Allocator<D> {
     /// use stitch_alloc::{Allocator, Config, Stream};
     /// use stitch_alloc::driver::SimDriver;
     /// let a = Allocator::new(SimDriver::with_capacity(1 << 30), Config::default()).unwrap();
-    /// let s = Stream(7);
+    /// let s = Stream::sim(7);
     /// let p = a.alloc(1 << 20, s).unwrap();
     /// a.free(p, s).unwrap();
     /// a.retire_stream(s).unwrap(); // now the stream may be destroyed

@@ -1,10 +1,7 @@
 //! Choosing a driver at run time: [`AnyDriver`] is one of the backends behind one type.
 #![forbid(unsafe_code)]
 
-use crate::driver::{
-    CudaDriver, DevAddr, Driver, DriverError, DriverResult, EventId, HostDriver, MemInfo,
-    PhysHandle, SimDriver, Stream,
-};
+use crate::driver::{CudaDriver, Driver, DriverError, Forward, HostDriver, SimDriver};
 use serde::{Deserialize, Deserializer, Serialize};
 use std::fmt;
 use std::str::FromStr;
@@ -185,7 +182,7 @@ impl AnyDriver {
     /// use stitch_alloc::AnyDriver;
     /// assert_eq!(AnyDriver::from_name("sim").unwrap().as_dyn().name(), "sim");
     /// ```
-    pub fn as_dyn(&self) -> &dyn Driver {
+    pub fn as_dyn(&self) -> &(dyn Driver + 'static) {
         match self {
             AnyDriver::Sim(d) => d,
             AnyDriver::Host(d) => d,
@@ -213,60 +210,10 @@ impl From<CudaDriver> for AnyDriver {
 }
 
 /// Delegates every call to the chosen backend.
-impl Driver for AnyDriver {
-    fn name(&self) -> &'static str {
-        self.as_dyn().name()
-    }
-    fn granularity(&self) -> u64 {
-        self.as_dyn().granularity()
-    }
-    fn mem_info(&self) -> DriverResult<MemInfo> {
-        self.as_dyn().mem_info()
-    }
-    fn reserve(&self, size: u64) -> DriverResult<DevAddr> {
-        self.as_dyn().reserve(size)
-    }
-    fn free_reservation(&self, base: DevAddr, size: u64) -> DriverResult<()> {
-        self.as_dyn().free_reservation(base, size)
-    }
-    fn create(&self, size: u64) -> DriverResult<PhysHandle> {
-        self.as_dyn().create(size)
-    }
-    fn release(&self, handle: PhysHandle) -> DriverResult<()> {
-        self.as_dyn().release(handle)
-    }
-    fn map(&self, addr: DevAddr, size: u64, handle: PhysHandle) -> DriverResult<()> {
-        self.as_dyn().map(addr, size, handle)
-    }
-    fn unmap(&self, addr: DevAddr, size: u64) -> DriverResult<()> {
-        self.as_dyn().unmap(addr, size)
-    }
-    fn set_access(&self, addr: DevAddr, size: u64) -> DriverResult<()> {
-        self.as_dyn().set_access(addr, size)
-    }
-    fn record_event(&self, stream: Stream) -> DriverResult<EventId> {
-        self.as_dyn().record_event(stream)
-    }
-    fn query_event(&self, event: EventId) -> DriverResult<bool> {
-        self.as_dyn().query_event(event)
-    }
-    fn wait_event(&self, event: EventId) -> DriverResult<()> {
-        self.as_dyn().wait_event(event)
-    }
-    fn destroy_event(&self, event: EventId) -> DriverResult<()> {
-        self.as_dyn().destroy_event(event)
-    }
-    fn write(&self, addr: DevAddr, data: &[u8]) -> DriverResult<()> {
-        self.as_dyn().write(addr, data)
-    }
-    fn read(&self, addr: DevAddr, buf: &mut [u8]) -> DriverResult<()> {
-        self.as_dyn().read(addr, buf)
-    }
-    fn has_data(&self) -> bool {
-        self.as_dyn().has_data()
-    }
-    fn simulated_work(&self) -> Option<&dyn crate::driver::SimulatedWork> {
-        self.as_dyn().simulated_work()
+impl Forward for AnyDriver {
+    type Inner = dyn Driver + 'static;
+    fn inner(&self) -> &(dyn Driver + 'static) {
+        self.as_dyn()
     }
 }
 

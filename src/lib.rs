@@ -31,17 +31,20 @@
 //! OS or the GPU; [`AnyDriver`] picks one at run time), the engine (pure data structures and
 //! algorithms), and [`Allocator`] (a lock around the engine). See `design/ARCHITECTURE.md`.
 #![deny(missing_docs)]
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 mod allocator;
 mod backend;
 pub mod capi;
 mod config;
+pub mod cost;
 pub mod driver;
 mod engine;
 mod error;
 pub mod plot;
 pub mod replay;
 pub mod stats;
+#[cfg(feature = "testing")]
 pub mod testing;
 pub mod trace;
 

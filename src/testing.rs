@@ -32,8 +32,8 @@
 #![forbid(unsafe_code)]
 
 use crate::driver::{
-    CallCounts, CudaDriver, CudaStream, DevAddr, Driver, DriverOp, DriverResult, EventId,
-    HostDriver, LeakReport, MemInfo, PhysHandle, SimDriver, WorkId,
+    CallCounts, CudaDriver, CudaStream, DevAddr, Driver, DriverOp, DriverResult, EventId, Forward,
+    HostDriver, LeakReport, SimDriver, WorkId,
 };
 use crate::{AllocError, Allocator, Config, DevicePtr, Stream};
 use parking_lot::Mutex;
@@ -45,9 +45,9 @@ use std::sync::Arc;
 /// and [`CudaTestDevice`] (real streams and GPU work).
 pub trait TestDevice: Driver + 'static {
     /// The stream that operations name by number `n` (`0..STREAMS`). The CPU backends use
-    /// `Stream(n)`; a GPU needs real stream handles.
+    /// `Stream::sim(n)`; a GPU needs real stream handles.
     fn test_stream(&self, n: u8) -> Stream {
-        Stream(n as u64)
+        Stream::sim(n as u64)
     }
     /// Queue work touching `[addr, addr+len)` on `stream` (it must not change the bytes).
     fn launch(&self, stream: Stream, addr: u64, len: u64) -> WorkId;
@@ -250,7 +250,7 @@ impl CudaTestDevice {
     fn index(&self, s: Stream) -> usize {
         (0..STREAMS)
             .position(|n| self.test_stream(n) == s)
-            .unwrap_or_else(|| panic!("stream {:#x} is not a test stream", s.0))
+            .unwrap_or_else(|| panic!("stream {:#x} is not a test stream", s.raw()))
     }
 
     /// Destroy the events of completed work (all work when `stream` is `None`).
@@ -286,57 +286,17 @@ impl Drop for CudaTestDevice {
     }
 }
 
-impl Driver for CudaTestDevice {
-    fn name(&self) -> &'static str {
-        self.gpu.name()
+/// Forwards to the GPU, except that host copies go through the private copy stream.
+impl Forward for CudaTestDevice {
+    type Inner = CudaDriver;
+    fn inner(&self) -> &CudaDriver {
+        &self.gpu
     }
-    fn granularity(&self) -> u64 {
-        self.gpu.granularity()
-    }
-    fn mem_info(&self) -> DriverResult<MemInfo> {
-        self.gpu.mem_info()
-    }
-    fn reserve(&self, size: u64) -> DriverResult<DevAddr> {
-        self.gpu.reserve(size)
-    }
-    fn free_reservation(&self, base: DevAddr, size: u64) -> DriverResult<()> {
-        self.gpu.free_reservation(base, size)
-    }
-    fn create(&self, size: u64) -> DriverResult<PhysHandle> {
-        self.gpu.create(size)
-    }
-    fn release(&self, handle: PhysHandle) -> DriverResult<()> {
-        self.gpu.release(handle)
-    }
-    fn map(&self, addr: DevAddr, size: u64, handle: PhysHandle) -> DriverResult<()> {
-        self.gpu.map(addr, size, handle)
-    }
-    fn unmap(&self, addr: DevAddr, size: u64) -> DriverResult<()> {
-        self.gpu.unmap(addr, size)
-    }
-    fn set_access(&self, addr: DevAddr, size: u64) -> DriverResult<()> {
-        self.gpu.set_access(addr, size)
-    }
-    fn record_event(&self, stream: Stream) -> DriverResult<EventId> {
-        self.gpu.record_event(stream)
-    }
-    fn query_event(&self, event: EventId) -> DriverResult<bool> {
-        self.gpu.query_event(event)
-    }
-    fn wait_event(&self, event: EventId) -> DriverResult<()> {
-        self.gpu.wait_event(event)
-    }
-    fn destroy_event(&self, event: EventId) -> DriverResult<()> {
-        self.gpu.destroy_event(event)
-    }
-    fn write(&self, addr: DevAddr, data: &[u8]) -> DriverResult<()> {
+    fn forward_write(&self, addr: DevAddr, data: &[u8]) -> DriverResult<()> {
         self.gpu.write_on(self.copy.stream(), addr, data)
     }
-    fn read(&self, addr: DevAddr, buf: &mut [u8]) -> DriverResult<()> {
+    fn forward_read(&self, addr: DevAddr, buf: &mut [u8]) -> DriverResult<()> {
         self.gpu.read_on(self.copy.stream(), addr, buf)
-    }
-    fn has_data(&self) -> bool {
-        true
     }
 }
 
@@ -351,7 +311,7 @@ impl TestDevice for CudaTestDevice {
     fn launch(&self, stream: Stream, addr: u64, len: u64) -> WorkId {
         let scratch = self.scratch[self.index(stream)];
         fn fail<T>(stream: Stream, e: crate::driver::DriverError) -> T {
-            panic!("launch on stream {:#x} failed: {e}", stream.0)
+            panic!("launch on stream {:#x} failed: {e}", stream.raw())
         }
         for i in 0..CUDA_PAD_MEMSETS {
             self.gpu
@@ -380,7 +340,7 @@ impl TestDevice for CudaTestDevice {
     fn complete(&self, stream: Stream) {
         self.gpu
             .stream_synchronize(stream)
-            .unwrap_or_else(|e| panic!("work on stream {:#x} failed: {e}", stream.0));
+            .unwrap_or_else(|e| panic!("work on stream {:#x} failed: {e}", stream.raw()));
         self.retire(Some(stream));
     }
 
@@ -777,7 +737,7 @@ impl<T: TestDevice> Harness<T> {
                 }) {
                     return Err(format!(
                         "stream rule: {p:#x}+{size} handed to stream {} while work on stream {} still uses {:#x}",
-                        stream.0, h.stream.0, h.addr
+                        stream.raw(), h.stream.raw(), h.addr
                     ));
                 }
                 let l = Live {
@@ -842,7 +802,12 @@ impl<T: TestDevice> Harness<T> {
             }
             Err(AllocError::ZeroSize) if size == 0 => self.counts.refused += 1,
             Err(AllocError::TooLarge { .. }) if size > cap => self.counts.refused += 1,
-            Err(e) => return Err(format!("alloc({size}, stream {}) failed: {e}", stream.0)),
+            Err(e) => {
+                return Err(format!(
+                    "alloc({size}, stream {}) failed: {e}",
+                    stream.raw()
+                ))
+            }
         }
         Ok(())
     }
@@ -1065,12 +1030,12 @@ pub fn ops_with_faults(data: &[u8]) -> Result<Option<(RunCounts, FaultTally)>, S
         .with_handle_sizes(0, 16 * MIB);
     let mut h = Harness::new(dev, cfg).map_err(|e| format!("allocator did not start: {e}"))?;
     h.dev.set_enabled(true);
-    let before = h.dev.inner().calls();
+    let before = FaultyDriver::inner(&h.dev).calls();
     h.apply_all(&ops)?;
     // A failed call never reaches the wrapped device: the draws are its calls of the
     // injectable kinds plus the faults.
     let fired = h.dev.injected();
-    let draws = calls_between(&before, &h.dev.inner().calls(), &INJECTABLE) + fired;
+    let draws = calls_between(&before, &FaultyDriver::inner(&h.dev).calls(), &INJECTABLE) + fired;
     let counts = h.finish()?;
     if counts.faults_fired != fired || counts.faulted > fired {
         return Err(format!(

@@ -8,7 +8,7 @@ use stitch_alloc::{AllocError, Allocator, Capacity, Config, DevicePtr, Stream};
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
-const S0: Stream = Stream(0);
+const S0: Stream = Stream::sim(0);
 
 fn sim(cap: u64) -> (Arc<SimDriver>, Allocator<Arc<SimDriver>>) {
     let d = Arc::new(SimDriver::with_capacity(cap));
@@ -110,8 +110,8 @@ fn small_requests_share_pages() {
 #[test]
 fn stream_rule_cross_stream_reuse_waits_for_the_fence() {
     let (d, a) = sim(GIB);
-    let s1 = Stream(1);
-    let s2 = Stream(2);
+    let s1 = Stream::sim(1);
+    let s2 = Stream::sim(2);
     let p = a.alloc(64 * MIB, s1).unwrap();
     let w = d.launch(s1, p.0, 64 * MIB);
     a.free(p, s1).unwrap();
@@ -136,21 +136,21 @@ fn stream_rule_cross_stream_reuse_waits_for_the_fence() {
 #[test]
 fn stitching_never_unmaps_memory_in_use() {
     let (d, a) = sim(512 * MIB);
-    let s1 = Stream(1);
+    let s1 = Stream::sim(1);
     let ptrs: Vec<_> = (0..4).map(|_| a.alloc(128 * MIB, s1).unwrap()).collect();
     let w = d.launch(s1, ptrs[0].0, 128 * MIB);
     a.free(ptrs[0], s1).unwrap();
     a.free(ptrs[2], s1).unwrap();
     // 256 MiB free in two holes, one still in use by stream 1: stitching them needs the
     // fence; the allocator waits for it (the simulated device runs the work), then remaps.
-    let big = a.alloc(256 * MIB, Stream(2)).unwrap();
+    let big = a.alloc(256 * MIB, Stream::sim(2)).unwrap();
     assert!(
         d.work_done(w),
         "the allocator waited for the work before unmapping"
     );
     assert!(a.stats().event_waits >= 1);
     assert!(a.stats().stitches >= 1);
-    a.free(big, Stream(2)).unwrap();
+    a.free(big, Stream::sim(2)).unwrap();
     a.free(ptrs[1], s1).unwrap();
     a.free(ptrs[3], s1).unwrap();
 }
@@ -158,7 +158,7 @@ fn stitching_never_unmaps_memory_in_use() {
 #[test]
 fn same_stream_stitching_maps_an_alias_instead_of_waiting() {
     let (d, a) = sim(512 * MIB);
-    let s1 = Stream(1);
+    let s1 = Stream::sim(1);
     let ptrs: Vec<_> = (0..4).map(|_| a.alloc(128 * MIB, s1).unwrap()).collect();
     let w0 = d.launch(s1, ptrs[0].0, 128 * MIB);
     let w2 = d.launch(s1, ptrs[2].0, 128 * MIB);
@@ -188,7 +188,7 @@ fn same_stream_stitching_maps_an_alias_instead_of_waiting() {
 #[test]
 fn record_stream_delays_reuse_until_both_streams_finish() {
     let (d, a) = sim(GIB);
-    let (s1, s2) = (Stream(1), Stream(2));
+    let (s1, s2) = (Stream::sim(1), Stream::sim(2));
     let p = a.alloc(64 * MIB, s1).unwrap();
     a.record_stream(p, s2).unwrap();
     let w = d.launch(s2, p.0, 64 * MIB);
@@ -242,7 +242,7 @@ fn bad_input_gets_typed_errors_and_leaves_the_allocator_consistent() {
     a.free(p, S0).unwrap();
     assert_eq!(a.free(p, S0), Err(AllocError::DoubleFree { ptr: p.0 }));
     assert!(matches!(
-        a.record_stream(p, Stream(3)),
+        a.record_stream(p, Stream::sim(3)),
         Err(AllocError::DoubleFree { .. })
     ));
     a.validate().unwrap();
@@ -512,7 +512,7 @@ fn driver_refusal_within_the_growth_budget_falls_back_to_stitching() {
 #[test]
 fn a_retired_stream_is_never_touched_again() {
     let (d, a) = sim(GIB);
-    let s = Stream(9);
+    let s = Stream::sim(9);
     let p = a.alloc(64 * MIB, s).unwrap();
     let w = d.launch(s, p.0, 64 * MIB);
     a.free(p, s).unwrap();
@@ -520,8 +520,8 @@ fn a_retired_stream_is_never_touched_again() {
     assert!(d.work_done(w), "retiring waits for the stream's work");
     let records = d.calls().get(DriverOp::RecordEvent);
     // Slow paths and teardown record no event on the retired stream any more.
-    let q = a.alloc(512 * MIB, Stream(1)).unwrap();
-    a.free(q, Stream(1)).unwrap();
+    let q = a.alloc(512 * MIB, Stream::sim(1)).unwrap();
+    a.free(q, Stream::sim(1)).unwrap();
     a.shutdown();
     let after = d.calls().get(DriverOp::RecordEvent);
     assert!(

@@ -506,7 +506,7 @@ fn host_oom_then_recover() {
 #[test]
 fn host_free_then_stitch_on_other_stream_waits_for_the_work() {
     const BLOCK: u64 = 256 * MIB;
-    let (st1, st2) = (Stream(1), Stream(2));
+    let (st1, st2) = (Stream::sim(1), Stream::sim(2));
     let a = Allocator::new(
         HostDriver::with_capacity(4 * BLOCK).unwrap(),
         Config::default()

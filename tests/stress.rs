@@ -37,7 +37,7 @@ fn stress(threads: usize, ops_per_thread: usize, cfg: Config) -> (u64, u64) {
                                 2 => 1 + (r >> 16) % (8 * MIB),
                                 _ => 1 + (r >> 16) % (128 * MIB),
                             };
-                            let stream = Stream((r >> 40) % 3);
+                            let stream = Stream::sim((r >> 40) % 3);
                             if let Ok(p) = a.alloc(size, stream) {
                                 let mut o = owned.lock().unwrap();
                                 // No live allocation may overlap the new one.

@@ -80,6 +80,14 @@ fn ptr_to_u64(p: *const c_void) -> u64 {
     p.addr() as u64
 }
 
+/// The stream torch passed (a `cudaStream_t`).
+fn torch_stream(p: *const c_void) -> Stream {
+    // SAFETY: torch passes 0 or a live stream of the device's current (primary) context,
+    // which the caching-allocator contract keeps alive while memory allocated or freed on it
+    // is in use; the CPU backends take any value.
+    unsafe { Stream::from_raw(ptr_to_u64(p)) }
+}
+
 fn u64_to_ptr(a: u64) -> *mut c_void {
     std::ptr::with_exposed_provenance_mut(a as usize)
 }
@@ -111,7 +119,7 @@ pub extern "C" fn stitch_malloc(size: usize, device: c_int, stream: *mut c_void)
             Ok(a) => a,
             Err(m) => return fail(first_time(&m), &m),
         };
-        match a.alloc(size as u64, Stream(ptr_to_u64(stream))) {
+        match a.alloc(size as u64, torch_stream(stream)) {
             Ok(p) => u64_to_ptr(p.addr()),
             // Torch asks for zero bytes for every empty tensor: not worth a warning.
             Err(AllocError::ZeroSize) => fail(tracing::Level::DEBUG, "zero-size allocation"),
@@ -167,7 +175,7 @@ pub extern "C" fn stitch_free(ptr: *mut c_void, size: usize, device: c_int, stre
                 }
             }
         }
-        match a.free(DevicePtr(addr), Stream(ptr_to_u64(stream))) {
+        match a.free(DevicePtr(addr), torch_stream(stream)) {
             Ok(()) => {}
             Err(e @ AllocError::InvalidPointer { .. }) => match rt.owner_of(addr) {
                 Some(other) => fail(&format!(
@@ -275,7 +283,7 @@ pub extern "C" fn stitch_record_stream(ptr: *mut c_void, stream: *mut c_void) {
             return fail("not a live allocation of this library");
         };
         if let Some(a) = rt.existing(d) {
-            if let Err(e) = a.record_stream(DevicePtr(addr), Stream(ptr_to_u64(stream))) {
+            if let Err(e) = a.record_stream(DevicePtr(addr), torch_stream(stream)) {
                 fail(&describe(&e));
             }
         }

@@ -6,8 +6,18 @@
 //! checks that the library loads and exports every symbol it uses, so a missing library or
 //! an old driver becomes a [`DriverError`] instead of a panic inside cudarc.
 //!
-//! This module holds all of the crate's CUDA `unsafe` code.
+//! This module holds all of the crate's CUDA `unsafe` code. Bench and test helpers (the
+//! `cudaMallocAsync` baseline, stream-ordered copies) live in the child module `helpers`,
+//! compiled only with the `cuda-test-helpers` feature; the production path requires only
+//! the VMM, event and context symbols listed in `SYMBOLS`.
 
+mod event_pool;
+#[cfg(feature = "cuda-test-helpers")]
+mod helpers;
+
+use event_pool::{EventPool, Retired};
+
+use super::ledger::Ledger;
 use super::{
     code, DevAddr, Driver, DriverError, DriverOp, DriverResult, EventId, LeakReport, MemInfo,
     PhysHandle, Stream,
@@ -18,8 +28,10 @@ use std::ffi::{c_char, c_int, c_void, CStr};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 
-/// Every libcuda symbol this module calls. All are probed before the first call: cudarc's
-/// dynamic loader panics on a missing symbol.
+/// The libcuda symbols the production allocator calls (device and context set-up, VMM,
+/// events, error names): all are probed when the library is loaded, because cudarc's dynamic
+/// loader panics on a missing symbol. Symbols of the optional calls are probed on first use
+/// instead: [`STREAM_SYMBOLS`], [`COPY_SYMBOLS`] and the test helpers' own group.
 const SYMBOLS: &[&str] = &[
     "cuInit",
     "cuDriverGetVersion",
@@ -32,7 +44,6 @@ const SYMBOLS: &[&str] = &[
     "cuDevicePrimaryCtxRelease_v2",
     "cuCtxGetCurrent",
     "cuCtxSetCurrent",
-    "cuCtxSynchronize",
     "cuGetErrorName",
     "cuGetErrorString",
     "cuMemGetAllocationGranularity",
@@ -49,25 +60,69 @@ const SYMBOLS: &[&str] = &[
     "cuEventQuery",
     "cuEventSynchronize",
     "cuEventDestroy_v2",
-    "cuMemcpyHtoD_v2",
-    "cuMemcpyDtoH_v2",
-    // Tests and benchmarks (streams, async copies, cudaMalloc-style baselines).
-    "cuMemGetAccess",
+];
+
+/// Streams ([`CudaDriver::create_stream`] and the synchronisations).
+static STREAM_SYMBOLS: SymbolGroup = SymbolGroup::new(&[
     "cuStreamCreate",
     "cuStreamDestroy_v2",
     "cuStreamSynchronize",
-    "cuMemcpyHtoDAsync_v2",
-    "cuMemcpyDtoHAsync_v2",
-    "cuMemcpyDtoDAsync_v2",
-    "cuMemsetD32Async",
-    "cuMemAlloc_v2",
-    "cuMemFree_v2",
-    "cuMemAllocAsync",
-    "cuMemFreeAsync",
-    "cuDeviceGetDefaultMemPool",
-    "cuMemPoolSetAttribute",
-    "cuMemPoolTrimTo",
-];
+    "cuCtxSynchronize",
+]);
+
+/// Host copies ([`Driver::write`] and [`Driver::read`], used by tests).
+static COPY_SYMBOLS: SymbolGroup =
+    SymbolGroup::new(&["cuMemcpyHtoD_v2", "cuMemcpyDtoH_v2", "cuCtxSynchronize"]);
+
+/// A group of optional libcuda symbols, probed once, on the first call that needs them.
+pub(crate) struct SymbolGroup {
+    names: &'static [&'static str],
+    /// The probe's outcome: `Ok` once every name is known to exist.
+    found: OnceLock<Result<(), DriverError>>,
+}
+
+impl SymbolGroup {
+    const fn new(names: &'static [&'static str]) -> Self {
+        SymbolGroup {
+            names,
+            found: OnceLock::new(),
+        }
+    }
+
+    /// `Ok` when libcuda is loaded and exports every symbol of the group; else a
+    /// `CUDA_ERROR_NOT_SUPPORTED` error (for `op`) naming the missing ones.
+    fn require(&self, op: DriverOp) -> DriverResult<()> {
+        lib()?;
+        self.found
+            .get_or_init(|| {
+                let missing = missing_symbols(self.names);
+                if missing.is_empty() {
+                    Ok(())
+                } else {
+                    Err(DriverError::new(
+                        op,
+                        code::NOT_SUPPORTED,
+                        format!("libcuda lacks {}", missing.join(", ")),
+                    ))
+                }
+            })
+            .clone()
+    }
+}
+
+/// The names in `names` that the loaded libcuda does not export (`lib()` must have
+/// succeeded, so the library is loaded).
+fn missing_symbols(names: &[&'static str]) -> Vec<&'static str> {
+    // SAFETY: the library is known to load (`is_culib_present` returned true before `lib()`
+    // could succeed), so `culib` returns it; it stays loaded for the life of the process.
+    let culib = unsafe { sys::culib() };
+    names
+        .iter()
+        .copied()
+        // SAFETY: the symbol is only looked up, never called, so its type does not matter.
+        .filter(|s| unsafe { culib.get::<*const c_void>(s.as_bytes()) }.is_err())
+        .collect()
+}
 
 /// `CUDA_ERROR_NO_DEVICE`: used when libcuda cannot be loaded at all.
 const NO_DEVICE: i64 = 100;
@@ -123,15 +178,7 @@ fn load_and_init() -> Result<LibInfo, DriverError> {
              no NVIDIA driver on this machine",
         ));
     }
-    // SAFETY: the library is known to load, so `culib` (which panics only when no candidate
-    // loads) returns it; it stays loaded for the life of the process.
-    let culib = unsafe { sys::culib() };
-    let missing: Vec<&str> = SYMBOLS
-        .iter()
-        .copied()
-        // SAFETY: the symbol is only looked up, never called, so its type does not matter.
-        .filter(|s| unsafe { culib.get::<*const c_void>(s.as_bytes()) }.is_err())
-        .collect();
+    let missing = missing_symbols(SYMBOLS);
     if !missing.is_empty() {
         return Err(init_error(
             code::NOT_SUPPORTED,
@@ -244,24 +291,15 @@ pub struct CudaDriver {
     granularity: u64,
     /// One read-write access descriptor per device that gets access (the device first).
     access: Vec<sys::CUmemAccessDesc>,
-    /// Destroyed events kept for reuse (raw `CUevent` values).
-    event_pool: Mutex<Vec<u64>>,
-    /// What callers hold through this driver (for [`CudaDriver::leak_report`]).
-    held: Mutex<Held>,
+    /// Events handed out, and destroyed ones kept for reuse (raw `CUevent` values).
+    events: Mutex<EventPool>,
+    /// Reservations, handles and mappings handed out through the [`Driver`] calls and not
+    /// yet given back, committed after each successful call (the CPU backends' ledger; its
+    /// rule checks are left to the real driver). CUDA cannot enumerate them, so the driver
+    /// keeps them: for [`CudaDriver::leak_report`], and to refuse handles it does not hold.
+    held: Mutex<Ledger>,
     driver_version: i32,
     device_name: String,
-}
-
-/// Resources handed out through the [`Driver`] calls and not yet given back. CUDA cannot
-/// enumerate them, so the driver counts them itself.
-#[derive(Debug, Default)]
-struct Held {
-    /// Live handles and their sizes.
-    handles: rustc_hash::FxHashMap<u64, u64>,
-    mappings: usize,
-    reservations: usize,
-    /// Events returned by `record_event` and not yet passed to `destroy_event`.
-    events: usize,
 }
 
 impl std::fmt::Debug for CudaDriver {
@@ -436,8 +474,8 @@ impl CudaDriver {
             ctx: ctx as usize,
             granularity: 0,
             access,
-            event_pool: Mutex::new(Vec::new()),
-            held: Mutex::new(Held::default()),
+            events: Mutex::new(EventPool::new(EVENT_POOL_MAX)),
+            held: Mutex::new(Ledger::new(1, u64::MAX)),
             driver_version: info.driver_version,
             device_name,
         };
@@ -547,8 +585,34 @@ impl CudaDriver {
         Ok(())
     }
 
+    /// Refuse a handle this driver does not hold (never created here, or released): it is
+    /// never passed to libcuda.
+    fn check_handle(&self, op: DriverOp, handle: PhysHandle) -> DriverResult<()> {
+        if self.held.lock().handles.contains_key(&handle.raw()) {
+            return Ok(());
+        }
+        Err(DriverError::new(
+            op,
+            code::INVALID_HANDLE,
+            format!(
+                "handle {:#x} was not created by this driver, or was released",
+                handle.raw()
+            ),
+        ))
+    }
+
+    /// Refuse an event this driver did not hand out, or that was destroyed.
+    fn check_event(&self, op: DriverOp, event: EventId) -> DriverResult<()> {
+        if self.events.lock().is_live(event.raw()) {
+            Ok(())
+        } else {
+            Err(unknown_event(op, event))
+        }
+    }
+
+    /// A spare event or a new one (not yet handed out).
     fn new_event(&self) -> DriverResult<u64> {
-        if let Some(ev) = self.event_pool.lock().pop() {
+        if let Some(ev) = self.events.lock().take_spare() {
             return Ok(ev);
         }
         let mut ev: sys::CUevent = std::ptr::null_mut();
@@ -586,6 +650,9 @@ impl std::fmt::Debug for CudaStream {
 impl CudaStream {
     /// The stream's raw handle, for [`Driver::record_event`], the allocator and the
     /// `*_async` helpers of [`CudaDriver`].
+    ///
+    /// The value stays valid while this `CudaStream` lives: drop it only once the allocator
+    /// no longer uses the stream (no allocation made or freed on it is still pending).
     pub fn stream(&self) -> Stream {
         Stream(self.raw)
     }
@@ -609,14 +676,11 @@ impl Drop for CudaStream {
     }
 }
 
-/// Test and benchmark helpers: streams, stream-ordered copies and memsets, and the
-/// `cudaMalloc`/`cudaMallocAsync` baselines.
+/// The leak report and streams (the `stitch` CLI replays on several streams).
 ///
 /// Calls that take a [`Stream`] have the same duty as [`Driver::record_event`]: the stream
 /// must be 0 (the legacy default stream) or a live stream of this device's primary context,
-/// such as one from [`CudaDriver::create_stream`]. Device addresses are checked by the driver;
-/// a bad one gives an error (or, for queued work, a sticky `CUDA_ERROR_ILLEGAL_ADDRESS` that
-/// the next synchronisation reports), never a host memory error.
+/// such as one from [`CudaDriver::create_stream`].
 impl CudaDriver {
     /// What is still held through the [`Driver`] calls of this driver: handles created and
     /// not released, mappings not unmapped, reservations not freed, events recorded and not
@@ -632,13 +696,9 @@ impl CudaDriver {
     /// }
     /// ```
     pub fn leak_report(&self) -> LeakReport {
-        let held = self.held.lock();
         LeakReport {
-            handles: held.handles.len(),
-            handle_bytes: held.handles.values().sum(),
-            mappings: held.mappings,
-            reservations: held.reservations,
-            events: held.events,
+            events: self.events.lock().live_count(),
+            ..self.held.lock().leak_report()
         }
     }
 
@@ -647,6 +707,7 @@ impl CudaDriver {
     /// default stream).
     pub fn create_stream(&self, non_blocking: bool) -> DriverResult<CudaStream> {
         let op = DriverOp::MemInfo;
+        STREAM_SYMBOLS.require(op)?;
         self.bind(op)?;
         let mut ctx: sys::CUcontext = std::ptr::null_mut();
         // SAFETY: valid out-pointer and device handle; the retain is balanced by the release
@@ -678,11 +739,12 @@ impl CudaDriver {
     /// Errors of that work (an illegal address, say) are returned here.
     pub fn stream_synchronize(&self, stream: Stream) -> DriverResult<()> {
         let op = DriverOp::WaitEvent;
+        STREAM_SYMBOLS.require(op)?;
         self.bind(op)?;
-        // SAFETY: `stream` is 0 or a live stream of this context (the caller's duty, see the
-        // impl's documentation).
+        let s = cu_stream(op, stream)?;
+        // SAFETY: `s` is 0 or a real stream of this context (see `cu_stream`).
         check(op, "cuStreamSynchronize", unsafe {
-            sys::cuStreamSynchronize(stream.0 as sys::CUstream)
+            sys::cuStreamSynchronize(s)
         })
     }
 
@@ -690,210 +752,10 @@ impl CudaDriver {
     /// error that queued work raised.
     pub fn synchronize(&self) -> DriverResult<()> {
         let op = DriverOp::WaitEvent;
+        STREAM_SYMBOLS.require(op)?;
         self.bind(op)?;
         // SAFETY: no arguments; the context is current.
         check(op, "cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
-    }
-
-    /// Fill `count` 32-bit words at `addr` with `value`, queued on `stream`
-    /// (`cuMemsetD32Async`). `addr` must be 4-byte aligned.
-    pub fn memset_d32_async(
-        &self,
-        addr: DevAddr,
-        value: u32,
-        count: u64,
-        stream: Stream,
-    ) -> DriverResult<()> {
-        let op = DriverOp::Copy;
-        self.bind(op)?;
-        // SAFETY: only device memory is written; the driver validates the range (an invalid
-        // one fails or faults on the device, never on the host). Stream: caller's duty.
-        check(op, "cuMemsetD32Async", unsafe {
-            sys::cuMemsetD32Async(addr, value, usize_of(op, count)?, stream.0 as sys::CUstream)
-        })
-    }
-
-    /// Copy `len` bytes from device address `src` to `dst`, queued on `stream`
-    /// (`cuMemcpyDtoDAsync`). The ranges must not overlap.
-    pub fn copy_dtod_async(
-        &self,
-        dst: DevAddr,
-        src: DevAddr,
-        len: u64,
-        stream: Stream,
-    ) -> DriverResult<()> {
-        let op = DriverOp::Copy;
-        self.bind(op)?;
-        // SAFETY: device memory only, validated by the driver; stream: caller's duty.
-        check(op, "cuMemcpyDtoDAsync", unsafe {
-            sys::cuMemcpyDtoDAsync_v2(dst, src, usize_of(op, len)?, stream.0 as sys::CUstream)
-        })
-    }
-
-    /// Copy `data` to device address `addr` on `stream` and wait for that stream, so the
-    /// copy has landed when this returns (other streams are not waited for, unlike
-    /// [`Driver::write`], which synchronises the whole device).
-    pub fn write_on(&self, stream: Stream, addr: DevAddr, data: &[u8]) -> DriverResult<()> {
-        if data.is_empty() {
-            return Ok(());
-        }
-        let op = DriverOp::Copy;
-        self.bind(op)?;
-        // SAFETY: `data` is a live host buffer of `len` bytes and stays borrowed until the
-        // stream synchronisation below, after which the copy no longer reads it.
-        check(op, "cuMemcpyHtoDAsync", unsafe {
-            sys::cuMemcpyHtoDAsync_v2(
-                addr,
-                data.as_ptr() as *const c_void,
-                data.len(),
-                stream.0 as sys::CUstream,
-            )
-        })?;
-        self.stream_synchronize(stream)
-    }
-
-    /// Copy device bytes at `addr` into `buf` on `stream` and wait for that stream.
-    pub fn read_on(&self, stream: Stream, addr: DevAddr, buf: &mut [u8]) -> DriverResult<()> {
-        if buf.is_empty() {
-            return Ok(());
-        }
-        let op = DriverOp::Copy;
-        self.bind(op)?;
-        // SAFETY: `buf` is a live, writable host buffer of `len` bytes, exclusively borrowed
-        // until the stream synchronisation below completes the copy.
-        check(op, "cuMemcpyDtoHAsync", unsafe {
-            sys::cuMemcpyDtoHAsync_v2(
-                buf.as_mut_ptr() as *mut c_void,
-                addr,
-                buf.len(),
-                stream.0 as sys::CUstream,
-            )
-        })?;
-        self.stream_synchronize(stream)
-    }
-
-    /// This device's access flags on the mapping holding `addr` (`cuMemGetAccess`):
-    /// 0 = none, 1 = read, 3 = read-write. An error when `addr` is not mapped.
-    pub fn access_flags(&self, addr: DevAddr) -> DriverResult<u64> {
-        let op = DriverOp::SetAccess;
-        self.bind(op)?;
-        let mut flags: std::ffi::c_ulonglong = 0;
-        let loc = self.access[0].location;
-        // SAFETY: valid out-pointer and location; the driver validates `addr`.
-        check(op, "cuMemGetAccess", unsafe {
-            sys::cuMemGetAccess(&mut flags, &loc, addr)
-        })?;
-        Ok(flags as u64)
-    }
-
-    /// Whether `[addr, addr+len)` is mapped with read-write access for this device, judged
-    /// by [`CudaDriver::access_flags`] at the first and last byte, every granule boundary
-    /// when the range spans at most 64 granules, and 64 evenly spaced points otherwise.
-    pub fn is_accessible(&self, addr: DevAddr, len: u64) -> bool {
-        if len == 0 {
-            return true;
-        }
-        let rw = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE as u64;
-        let ok = |p: DevAddr| self.access_flags(p).is_ok_and(|f| f == rw);
-        let g = self.granularity;
-        let last = addr + len - 1;
-        if !ok(addr) || !ok(last) {
-            return false;
-        }
-        let first_granule = addr / g + 1;
-        let end_granule = last / g; // granules starting inside (addr, last]
-        let n = end_granule.saturating_sub(first_granule) + 1;
-        if end_granule < first_granule {
-            return true;
-        }
-        let step = n.div_ceil(64).max(1);
-        (0..n)
-            .step_by(step as usize)
-            .all(|i| ok((first_granule + i) * g))
-    }
-
-    /// `cuMemAlloc`: `size` bytes of device memory outside the allocator (the `cudaMalloc`
-    /// baseline, and scratch buffers for tests). Free with [`CudaDriver::mem_free`].
-    pub fn mem_alloc(&self, size: u64) -> DriverResult<DevAddr> {
-        let op = DriverOp::Create;
-        self.bind(op)?;
-        let mut p: sys::CUdeviceptr = 0;
-        // SAFETY: valid out-pointer; the context is current.
-        check(op, "cuMemAlloc", unsafe {
-            sys::cuMemAlloc_v2(&mut p, usize_of(op, size)?)
-        })?;
-        Ok(p)
-    }
-
-    /// `cuMemFree` of memory from [`CudaDriver::mem_alloc`] (waits for queued work that
-    /// uses it; the driver rejects any other address).
-    pub fn mem_free(&self, addr: DevAddr) -> DriverResult<()> {
-        let op = DriverOp::Release;
-        self.bind(op)?;
-        // SAFETY: the driver validates the address against its allocations.
-        check(op, "cuMemFree", unsafe { sys::cuMemFree_v2(addr) })
-    }
-
-    /// `cuMemAllocAsync` from the device's default memory pool, ordered on `stream` (the
-    /// `cudaMallocAsync` baseline).
-    pub fn mem_alloc_async(&self, size: u64, stream: Stream) -> DriverResult<DevAddr> {
-        let op = DriverOp::Create;
-        self.bind(op)?;
-        let mut p: sys::CUdeviceptr = 0;
-        // SAFETY: valid out-pointer; stream: caller's duty.
-        check(op, "cuMemAllocAsync", unsafe {
-            sys::cuMemAllocAsync(&mut p, usize_of(op, size)?, stream.0 as sys::CUstream)
-        })?;
-        Ok(p)
-    }
-
-    /// `cuMemFreeAsync`: give memory from [`CudaDriver::mem_alloc_async`] back to its pool,
-    /// ordered on `stream`.
-    pub fn mem_free_async(&self, addr: DevAddr, stream: Stream) -> DriverResult<()> {
-        let op = DriverOp::Release;
-        self.bind(op)?;
-        // SAFETY: the driver validates the address; stream: caller's duty.
-        check(op, "cuMemFreeAsync", unsafe {
-            sys::cuMemFreeAsync(addr, stream.0 as sys::CUstream)
-        })
-    }
-
-    fn default_pool(&self, op: DriverOp) -> DriverResult<sys::CUmemoryPool> {
-        self.bind(op)?;
-        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-        // SAFETY: valid out-pointer and device handle.
-        check(op, "cuDeviceGetDefaultMemPool", unsafe {
-            sys::cuDeviceGetDefaultMemPool(&mut pool, self.device)
-        })?;
-        Ok(pool)
-    }
-
-    /// Set the default memory pool's release threshold (`CU_MEMPOOL_ATTR_RELEASE_THRESHOLD`):
-    /// the pool keeps up to this many unused bytes across synchronisations. `u64::MAX` keeps
-    /// everything, as PyTorch's `cudaMallocAsync` backend does (a "warm pool").
-    pub fn set_default_pool_release_threshold(&self, bytes: u64) -> DriverResult<()> {
-        let op = DriverOp::MemInfo;
-        let pool = self.default_pool(op)?;
-        let mut v: u64 = bytes;
-        // SAFETY: the release threshold attribute takes a pointer to a cuuint64_t, which `v`
-        // is, live for the call.
-        check(op, "cuMemPoolSetAttribute", unsafe {
-            sys::cuMemPoolSetAttribute(
-                pool,
-                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                &mut v as *mut u64 as *mut c_void,
-            )
-        })
-    }
-
-    /// Release the default pool's unused memory down to `keep` bytes (`cuMemPoolTrimTo`).
-    pub fn trim_default_pool(&self, keep: u64) -> DriverResult<()> {
-        let op = DriverOp::MemInfo;
-        let pool = self.default_pool(op)?;
-        // SAFETY: a pool handle from cuDeviceGetDefaultMemPool.
-        check(op, "cuMemPoolTrimTo", unsafe {
-            sys::cuMemPoolTrimTo(pool, usize_of(op, keep)?)
-        })
     }
 }
 
@@ -914,6 +776,36 @@ fn access_desc(device: sys::CUdevice) -> sys::CUmemAccessDesc {
         },
         flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
     }
+}
+
+/// The `CUstream` of `stream`, refusing a simulated stream ([`Stream::sim`]): its raw value
+/// is no stream of any context. What remains is 0 (the legacy default stream) or a real
+/// stream: a `Stream` is otherwise made only by [`CudaStream::stream`] (a stream of this
+/// crate, live while the `CudaStream` is) or by the `unsafe` [`Stream::from_raw`], whose
+/// caller vouches that it is a live stream of the device's primary context.
+fn cu_stream(op: DriverOp, stream: Stream) -> DriverResult<sys::CUstream> {
+    if stream.is_sim() {
+        return Err(DriverError::new(
+            op,
+            code::INVALID_HANDLE,
+            format!(
+                "stream {:#x} is a simulated stream (Stream::sim), not a CUDA stream",
+                stream.raw()
+            ),
+        ));
+    }
+    Ok(stream.raw() as sys::CUstream)
+}
+
+fn unknown_event(op: DriverOp, event: EventId) -> DriverError {
+    DriverError::new(
+        op,
+        code::INVALID_HANDLE,
+        format!(
+            "event {:#x} was not handed out by this driver, or was destroyed",
+            event.raw()
+        ),
+    )
 }
 
 fn usize_of(op: DriverOp, v: u64) -> DriverResult<usize> {
@@ -963,7 +855,7 @@ impl Driver for CudaDriver {
                 0,
             )
         })?;
-        self.held.lock().reservations += 1;
+        self.held.lock().commit_reserve(ptr, size);
         Ok(ptr)
     }
 
@@ -975,8 +867,7 @@ impl Driver for CudaDriver {
         check(op, "cuMemAddressFree", unsafe {
             sys::cuMemAddressFree(base, usize_of(op, size)?)
         })?;
-        let mut held = self.held.lock();
-        held.reservations = held.reservations.saturating_sub(1);
+        self.held.lock().commit_free_reservation(base);
         Ok(())
     }
 
@@ -989,28 +880,32 @@ impl Driver for CudaDriver {
         check(op, "cuMemCreate", unsafe {
             sys::cuMemCreate(&mut h, usize_of(op, size)?, &prop, 0)
         })?;
-        self.held.lock().handles.insert(h, size);
-        Ok(PhysHandle(h))
+        self.held.lock().commit_create_as(h, size);
+        Ok(PhysHandle::new(h))
     }
 
     fn release(&self, handle: PhysHandle) -> DriverResult<()> {
         let op = DriverOp::Release;
         self.bind(op)?;
-        // SAFETY: the handle is an opaque integer the driver validates.
-        check(op, "cuMemRelease", unsafe { sys::cuMemRelease(handle.0) })?;
-        self.held.lock().handles.remove(&handle.0);
+        self.check_handle(op, handle)?;
+        // SAFETY: `check_handle` found the handle created by this driver and not released.
+        check(op, "cuMemRelease", unsafe {
+            sys::cuMemRelease(handle.raw())
+        })?;
+        self.held.lock().commit_release(handle);
         Ok(())
     }
 
     fn map(&self, addr: DevAddr, size: u64, handle: PhysHandle) -> DriverResult<()> {
         let op = DriverOp::Map;
+        self.check_handle(op, handle)?;
         self.bind(op)?;
         // SAFETY: maps into reserved address space only; the driver rejects ranges outside a
         // reservation or overlapping a mapping. Offset and flags must be 0.
         check(op, "cuMemMap", unsafe {
-            sys::cuMemMap(addr, usize_of(op, size)?, 0, handle.0, 0)
+            sys::cuMemMap(addr, usize_of(op, size)?, 0, handle.raw(), 0)
         })?;
-        self.held.lock().mappings += 1;
+        self.held.lock().commit_map(addr, size, handle);
         Ok(())
     }
 
@@ -1022,8 +917,7 @@ impl Driver for CudaDriver {
         check(op, "cuMemUnmap", unsafe {
             sys::cuMemUnmap(addr, usize_of(op, size)?)
         })?;
-        let mut held = self.held.lock();
-        held.mappings = held.mappings.saturating_sub(1);
+        self.held.lock().commit_unmap(addr);
         Ok(())
     }
 
@@ -1043,26 +937,29 @@ impl Driver for CudaDriver {
 
     fn record_event(&self, stream: Stream) -> DriverResult<EventId> {
         let op = DriverOp::RecordEvent;
+        let cu_stream = cu_stream(op, stream)?;
         self.bind(op)?;
         let ev = self.new_event()?;
-        // SAFETY: `ev` is a live event of this context; `stream.0` is a CUstream of this
-        // context given by the caller (0 is the legacy default stream).
-        let r = unsafe { sys::cuEventRecord(ev as sys::CUevent, stream.0 as sys::CUstream) };
+        // SAFETY: `ev` is a live event of this context (new or spare, not handed out);
+        // `cu_stream` is 0 (the legacy default stream) or a stream of this context: a
+        // `Stream` is made only by `CudaStream::stream` or by the `unsafe Stream::from_raw`
+        // whose caller vouches for it, and simulated ones were refused above.
+        let r = unsafe { sys::cuEventRecord(ev as sys::CUevent, cu_stream) };
+        self.events.lock().hand_out(ev);
         if let Err(e) = check(op, "cuEventRecord", r) {
-            self.held.lock().events += 1; // balanced by the destroy below
-            let _ = self.destroy_event(EventId(ev));
+            let _ = self.destroy_event(EventId::new(ev));
             return Err(e);
         }
-        self.held.lock().events += 1;
-        Ok(EventId(ev))
+        Ok(EventId::new(ev))
     }
 
     fn query_event(&self, event: EventId) -> DriverResult<bool> {
         let op = DriverOp::QueryEvent;
+        self.check_event(op, event)?;
         self.bind(op)?;
-        // SAFETY: the event came from `record_event` and was not destroyed (caller's duty;
-        // the driver rejects most stale handles).
-        let r = unsafe { sys::cuEventQuery(event.0 as sys::CUevent) };
+        // SAFETY: `check_event` found the event handed out by `record_event` and not
+        // destroyed, so it is a live event of this context.
+        let r = unsafe { sys::cuEventQuery(event.raw() as sys::CUevent) };
         match r {
             sys::CUresult::CUDA_SUCCESS => Ok(true),
             sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
@@ -1072,31 +969,26 @@ impl Driver for CudaDriver {
 
     fn wait_event(&self, event: EventId) -> DriverResult<()> {
         let op = DriverOp::WaitEvent;
+        self.check_event(op, event)?;
         self.bind(op)?;
         // SAFETY: as in `query_event`.
         check(op, "cuEventSynchronize", unsafe {
-            sys::cuEventSynchronize(event.0 as sys::CUevent)
+            sys::cuEventSynchronize(event.raw() as sys::CUevent)
         })
     }
 
     fn destroy_event(&self, event: EventId) -> DriverResult<()> {
-        {
-            let mut held = self.held.lock();
-            held.events = held.events.saturating_sub(1);
-        }
-        {
-            let mut pool = self.event_pool.lock();
-            if pool.len() < EVENT_POOL_MAX && !pool.contains(&event.0) {
-                pool.push(event.0);
-                return Ok(());
-            }
-        }
         let op = DriverOp::DestroyEvent;
+        match self.events.lock().retire(event.raw()) {
+            None => return Err(unknown_event(op, event)),
+            Some(Retired::Pooled) => return Ok(()),
+            Some(Retired::Destroy) => {}
+        }
         self.bind(op)?;
-        // SAFETY: the event came from `record_event`; it is not in the pool, so it is
-        // destroyed once.
+        // SAFETY: the pool found the event handed out and not destroyed, and took it out of
+        // the live set without keeping it as a spare: it is destroyed exactly once, here.
         check(op, "cuEventDestroy", unsafe {
-            sys::cuEventDestroy_v2(event.0 as sys::CUevent)
+            sys::cuEventDestroy_v2(event.raw() as sys::CUevent)
         })
     }
 
@@ -1105,6 +997,7 @@ impl Driver for CudaDriver {
             return Ok(());
         }
         let op = DriverOp::Copy;
+        COPY_SYMBOLS.require(op)?;
         self.bind(op)?;
         // SAFETY: `data` is a live host buffer of `len` bytes; the driver checks that the
         // device range is mapped and accessible.
@@ -1122,6 +1015,7 @@ impl Driver for CudaDriver {
             return Ok(());
         }
         let op = DriverOp::Copy;
+        COPY_SYMBOLS.require(op)?;
         self.bind(op)?;
         // SAFETY: `buf` is a live, writable host buffer of `len` bytes; the copy to pageable
         // memory is synchronous, so it is complete when the call returns.
@@ -1137,7 +1031,7 @@ impl Driver for CudaDriver {
 
 impl Drop for CudaDriver {
     fn drop(&mut self) {
-        let pooled = std::mem::take(&mut *self.event_pool.lock());
+        let pooled = self.events.get_mut().drain_spare();
         if !pooled.is_empty() && self.bind(DriverOp::DestroyEvent).is_ok() {
             for ev in pooled {
                 // SAFETY: pooled events are live events of this context, each pooled once.
@@ -1181,6 +1075,22 @@ mod tests {
         assert!(CudaDriver::unavailable_reason()
             .unwrap()
             .contains("libcuda"));
+    }
+
+    #[test]
+    fn simulated_streams_are_refused_before_any_cuda_call() {
+        let e = cu_stream(DriverOp::RecordEvent, Stream::sim(1)).unwrap_err();
+        assert_eq!(e.code, code::INVALID_HANDLE);
+        assert!(e.message.contains("simulated"), "{e}");
+        assert!(cu_stream(DriverOp::RecordEvent, Stream::DEFAULT)
+            .unwrap()
+            .is_null());
+        // SAFETY: the value is only converted, never given to libcuda.
+        let real = unsafe { Stream::from_raw(0x7f00_dead_0000) };
+        assert_eq!(
+            cu_stream(DriverOp::RecordEvent, real).unwrap() as u64,
+            0x7f00_dead_0000
+        );
     }
 
     #[test]

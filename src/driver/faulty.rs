@@ -2,10 +2,8 @@
 //! (seeded), to prove that every failure leaves the allocator consistent and leak-free.
 #![forbid(unsafe_code)]
 
-use super::{
-    code, DevAddr, Driver, DriverError, DriverOp, DriverResult, EventId, MemInfo, PhysHandle,
-    Stream,
-};
+use super::forward::{Call, Forward};
+use super::{code, Driver, DriverError, DriverOp, DriverResult};
 use parking_lot::Mutex;
 
 /// Every kind of call the allocator makes after start-up, i.e. every kind worth failing.
@@ -47,7 +45,7 @@ struct Plan {
 /// let a = d.create(2 << 20).unwrap();
 /// assert!(d.create(2 << 20).is_err(), "the second create fails");
 /// d.release(a).unwrap();
-/// assert_eq!(d.injected(), 1);
+/// assert_eq!(d.faults_fired(), 1);
 /// ```
 #[derive(Debug)]
 pub struct FaultyDriver<D> {
@@ -97,9 +95,15 @@ impl<D: Driver> FaultyDriver<D> {
         self.plan.lock().on = on;
     }
 
-    /// Failures injected so far.
-    pub fn injected(&self) -> u64 {
+    /// Faults injected (calls failed on purpose) so far: a test asserts on it that a fault
+    /// fired.
+    pub fn faults_fired(&self) -> u64 {
         self.plan.lock().injected
+    }
+
+    /// The same as [`FaultyDriver::faults_fired`].
+    pub fn injected(&self) -> u64 {
+        self.faults_fired()
     }
 
     fn check(&self, op: DriverOp) -> DriverResult<()> {
@@ -139,71 +143,16 @@ impl<D: Driver> FaultyDriver<D> {
     }
 }
 
-impl<D: Driver> Driver for FaultyDriver<D> {
-    fn name(&self) -> &'static str {
-        self.inner.name()
+impl<D: Driver> Forward for FaultyDriver<D> {
+    type Inner = D;
+    fn inner(&self) -> &D {
+        &self.inner
     }
-    fn granularity(&self) -> u64 {
-        self.inner.granularity()
-    }
-    fn mem_info(&self) -> DriverResult<MemInfo> {
-        self.check(DriverOp::MemInfo)?;
-        self.inner.mem_info()
-    }
-    fn reserve(&self, size: u64) -> DriverResult<DevAddr> {
-        self.check(DriverOp::Reserve)?;
-        self.inner.reserve(size)
-    }
-    fn free_reservation(&self, base: DevAddr, size: u64) -> DriverResult<()> {
-        self.check(DriverOp::FreeReservation)?;
-        self.inner.free_reservation(base, size)
-    }
-    fn create(&self, size: u64) -> DriverResult<PhysHandle> {
-        self.check(DriverOp::Create)?;
-        self.inner.create(size)
-    }
-    fn release(&self, handle: PhysHandle) -> DriverResult<()> {
-        self.check(DriverOp::Release)?;
-        self.inner.release(handle)
-    }
-    fn map(&self, addr: DevAddr, size: u64, handle: PhysHandle) -> DriverResult<()> {
-        self.check(DriverOp::Map)?;
-        self.inner.map(addr, size, handle)
-    }
-    fn unmap(&self, addr: DevAddr, size: u64) -> DriverResult<()> {
-        self.check(DriverOp::Unmap)?;
-        self.inner.unmap(addr, size)
-    }
-    fn set_access(&self, addr: DevAddr, size: u64) -> DriverResult<()> {
-        self.check(DriverOp::SetAccess)?;
-        self.inner.set_access(addr, size)
-    }
-    fn record_event(&self, stream: Stream) -> DriverResult<EventId> {
-        self.check(DriverOp::RecordEvent)?;
-        self.inner.record_event(stream)
-    }
-    fn query_event(&self, event: EventId) -> DriverResult<bool> {
-        self.check(DriverOp::QueryEvent)?;
-        self.inner.query_event(event)
-    }
-    fn wait_event(&self, event: EventId) -> DriverResult<()> {
-        self.check(DriverOp::WaitEvent)?;
-        self.inner.wait_event(event)
-    }
-    fn destroy_event(&self, event: EventId) -> DriverResult<()> {
-        self.check(DriverOp::DestroyEvent)?;
-        self.inner.destroy_event(event)
-    }
-    fn write(&self, addr: DevAddr, data: &[u8]) -> DriverResult<()> {
-        self.inner.write(addr, data)
-    }
-    fn read(&self, addr: DevAddr, buf: &mut [u8]) -> DriverResult<()> {
-        self.inner.read(addr, buf)
-    }
-    fn has_data(&self) -> bool {
-        self.inner.has_data()
-    }
-    fn simulated_work(&self) -> Option<&dyn crate::driver::SimulatedWork> {
-        self.inner.simulated_work()
+    /// Counts the call and fails it when the plan says so (copies are never failed).
+    fn before(&self, call: &Call) -> DriverResult<()> {
+        match call.op() {
+            DriverOp::Copy => Ok(()),
+            op => self.check(op),
+        }
     }
 }

@@ -173,6 +173,7 @@ impl HostDriver {
         self.state.lock().ledger.calls
     }
 
+    #[cfg(feature = "testing")]
     /// Every live handle as `(size, addresses it is mapped at)` (read-only, for the test
     /// harness's oracle).
     pub(crate) fn handle_mappings(&self) -> Vec<(u64, Vec<DevAddr>)> {

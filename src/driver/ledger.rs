@@ -202,14 +202,14 @@ impl Ledger {
         self.handles
             .insert(self.next_handle, HandleInfo { size, maps: 0 });
         self.used += size;
-        PhysHandle(self.next_handle)
+        PhysHandle::new(self.next_handle)
     }
 
     /// Like `commit_create` but with a handle id the backend chose (the host uses fds).
     pub(crate) fn commit_create_as(&mut self, id: u64, size: u64) -> PhysHandle {
         self.handles.insert(id, HandleInfo { size, maps: 0 });
         self.used += size;
-        PhysHandle(id)
+        PhysHandle::new(id)
     }
 
     pub(crate) fn check_release(&self, h: PhysHandle) -> DriverResult<u64> {
@@ -420,6 +420,7 @@ impl Ledger {
         self.check_covered(DriverOp::Copy, addr, len, true)
     }
 
+    #[cfg(feature = "testing")]
     /// Every live handle as `(size, addresses it is mapped at)`, in handle order: the
     /// device's own view, read by the test harness's zero-fragmentation oracle.
     pub(crate) fn handle_mappings(&self) -> Vec<(u64, Vec<DevAddr>)> {
@@ -488,12 +489,12 @@ mod tests {
             l.check_free_reservation(base, 8 * G).is_err(),
             "holds a mapping"
         );
-        let w = l.streams.launch(crate::Stream(1), base + G, 8);
+        let w = l.streams.launch(crate::Stream::sim(1), base + G, 8);
         assert_eq!(
             l.check_unmap(base, 2 * G).unwrap_err().code,
             code::ILLEGAL_ADDRESS
         );
-        l.streams.complete(crate::Stream(1), Some(w));
+        l.streams.complete(crate::Stream::sim(1), Some(w));
         l.check_unmap(base, 2 * G).unwrap();
         l.commit_unmap(base);
         l.check_release(h).unwrap();

@@ -17,23 +17,29 @@
 //! [`HostDriver`] (real OS virtual memory with `mmap` and `memfd`, so remapped bytes survive)
 //! and [`CudaDriver`] (a real GPU through the CUDA driver API, loaded at run time).
 //! [`AnyDriver`](crate::AnyDriver) picks one at run time.
+//!
+//! Wrappers ([`FaultyDriver`]: fault injection; [`Metering`] as [`Timed`] or [`Metered`]:
+//! call counts, wall time and the cost model's price; `Arc<D>`; `AnyDriver`) implement
+//! [`Forward`] only: its blanket implementation forwards every call and runs their hooks.
 
+mod forward;
 mod ledger;
 mod streams;
 
 pub mod cuda;
 pub mod faulty;
 pub mod host;
+pub mod meter;
 pub mod sim;
-pub mod timed;
 
 pub use cuda::{CudaDriver, CudaStream};
 pub use faulty::FaultyDriver;
+pub use forward::{Call, Done, Forward};
 pub use host::HostDriver;
 pub use ledger::LeakReport;
+pub use meter::{Meter, Metered, Metering, OpTiming, Timed, Timings};
 pub use sim::SimDriver;
 pub use streams::WorkId;
-pub use timed::{OpTiming, Timed, Timings};
 
 use serde::Serialize;
 use std::fmt;
@@ -43,26 +49,123 @@ pub type DevAddr = u64;
 
 /// An opaque physical-memory handle returned by [`Driver::create`]
 /// (a `CUmemGenericAllocationHandle` on CUDA).
+///
+/// Only backends make one (from what they handed out); [`PhysHandle::raw`] reads the value.
+/// Every backend refuses a handle it does not hold with `INVALID_HANDLE` instead of passing
+/// it on, so a stale or foreign handle is an error, never a crash inside libcuda.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
-pub struct PhysHandle(pub u64);
+pub struct PhysHandle(u64);
+
+impl PhysHandle {
+    /// A handle of value `raw` (backends only).
+    pub(crate) const fn new(raw: u64) -> Self {
+        PhysHandle(raw)
+    }
+    /// A handle from its raw value, for code outside the crate that received one as an
+    /// integer.
+    ///
+    /// # Safety
+    /// `raw` must be the value of a handle a backend of this process handed out
+    /// ([`PhysHandle::raw`]). The backends check handles against what they hold, so a wrong
+    /// value is refused with an error; the function is `unsafe` so that making handles out of
+    /// thin air stays visible.
+    pub const unsafe fn from_raw(raw: u64) -> Self {
+        PhysHandle(raw)
+    }
+    /// The raw value (a `CUmemGenericAllocationHandle` on CUDA).
+    pub const fn raw(self) -> u64 {
+        self.0
+    }
+}
 
 /// An opaque event returned by [`Driver::record_event`] (a `CUevent` on CUDA).
+///
+/// Only backends make one; [`EventId::raw`] reads the value. Every backend refuses an event
+/// it did not hand out, or that was already destroyed, with `INVALID_HANDLE` instead of
+/// passing it on.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
-pub struct EventId(pub u64);
+pub struct EventId(u64);
 
-/// A stream, identified by its raw handle value (a `CUstream`/`cudaStream_t` on CUDA;
-/// `Stream(0)` is the default stream).
+impl EventId {
+    /// An event of value `raw` (backends only).
+    pub(crate) const fn new(raw: u64) -> Self {
+        EventId(raw)
+    }
+    /// An event from its raw value, for code outside the crate that received one as an
+    /// integer.
+    ///
+    /// # Safety
+    /// `raw` must be the value of an event a backend of this process handed out
+    /// ([`EventId::raw`]) and has not destroyed. The backends check events against the ones
+    /// they handed out, so a wrong value is refused with an error.
+    pub const unsafe fn from_raw(raw: u64) -> Self {
+        EventId(raw)
+    }
+    /// The raw value (a `CUevent` on CUDA).
+    pub const fn raw(self) -> u64 {
+        self.0
+    }
+}
+
+/// A stream: a real CUDA stream (`CUstream`/`cudaStream_t`), the default stream, or a
+/// simulated stream of the CPU backends.
+///
+/// * [`Stream::DEFAULT`] (raw value 0) is the legacy default stream, valid everywhere.
+/// * [`Stream::sim`]`(n)` is simulated stream `n`: its raw value is `n` with bit 63 set, a
+///   tag no real `CUstream` (a user-space pointer, below 2^47) has. The CPU backends take it
+///   like any stream; [`CudaDriver`] refuses it with `INVALID_HANDLE` instead of passing it
+///   to libcuda. `sim(0)` is [`Stream::DEFAULT`].
+/// * A real stream comes from [`CudaStream::stream`] (a stream this crate created) or from
+///   the `unsafe` [`Stream::from_raw`] (a stream someone else created, such as PyTorch's
+///   `cudaStream_t` received by the C ABI).
 ///
 /// ```
 /// use stitch_alloc::Stream;
-/// assert_eq!(Stream::DEFAULT, Stream(0));
+/// assert_eq!(Stream::DEFAULT.raw(), 0);
+/// assert_eq!(Stream::sim(0), Stream::DEFAULT);
+/// assert_eq!(Stream::sim(3).raw(), 3 | 1 << 63);
+/// assert!(Stream::sim(3).is_sim() && !Stream::DEFAULT.is_sim());
 /// ```
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
-pub struct Stream(pub u64);
+pub struct Stream(u64);
 
 impl Stream {
     /// The default (legacy) stream.
     pub const DEFAULT: Stream = Stream(0);
+
+    /// The tag bit of simulated streams.
+    const SIM_TAG: u64 = 1 << 63;
+
+    /// Simulated stream `n` (bit 63 of `n` is ignored); `sim(0)` is [`Stream::DEFAULT`].
+    pub const fn sim(n: u64) -> Stream {
+        if n & !Self::SIM_TAG == 0 {
+            Stream::DEFAULT
+        } else {
+            Stream(n | Self::SIM_TAG)
+        }
+    }
+
+    /// A stream from its raw `CUstream` / `cudaStream_t` value.
+    ///
+    /// # Safety
+    /// When the stream is given to a [`CudaDriver`] (directly or through an allocator),
+    /// `raw` must be 0 or a live stream of that device's primary context, and stay live
+    /// while the driver may use it (events recorded on it are waited for later): libcuda
+    /// does not validate stream handles. A value with bit 63 set is taken as a simulated
+    /// stream (refused by `CudaDriver`). Any value is harmless with the CPU backends.
+    pub const unsafe fn from_raw(raw: u64) -> Stream {
+        Stream(raw)
+    }
+
+    /// The raw value (a `CUstream` for a real stream; tagged with bit 63 for a simulated one).
+    pub const fn raw(self) -> u64 {
+        self.0
+    }
+
+    /// Whether this is a simulated stream ([`Stream::sim`] of a non-zero `n`).
+    pub const fn is_sim(self) -> bool {
+        self.0 & Self::SIM_TAG != 0
+    }
 }
 
 /// Device memory as the driver reports it (like `cudaMemGetInfo`).
@@ -323,9 +426,9 @@ pub trait Driver: Send + Sync {
 /// use stitch_alloc::Stream;
 /// let sim = SimDriver::new();
 /// let q = sim.simulated_work().expect("the simulator queues work");
-/// let w = q.launch(Stream(1), 0, 4096);
+/// let w = q.launch(Stream::sim(1), 0, 4096);
 /// assert!(!q.work_done(w));
-/// q.complete(Stream(1), Some(w));
+/// q.complete(Stream::sim(1), Some(w));
 /// assert!(q.work_done(w));
 /// ```
 pub trait SimulatedWork {
@@ -335,74 +438,4 @@ pub trait SimulatedWork {
     fn complete(&self, stream: Stream, upto: Option<WorkId>);
     /// Whether work `w` has completed.
     fn work_done(&self, w: WorkId) -> bool;
-}
-
-/// A shared driver: lets a test keep a handle on the driver (say, to read a `SimDriver`'s
-/// leak report after the allocator is dropped).
-///
-/// ```
-/// use std::sync::Arc;
-/// use stitch_alloc::{Allocator, Config, Stream};
-/// use stitch_alloc::driver::SimDriver;
-/// let sim = Arc::new(SimDriver::with_capacity(1 << 30));
-/// let a = Allocator::new(sim.clone(), Config::default()).unwrap();
-/// a.alloc(10 << 20, Stream::DEFAULT).unwrap();
-/// drop(a); // gives everything back, reporting the live allocation as a leak
-/// assert!(sim.leak_report().is_clean());
-/// ```
-impl<T: Driver + ?Sized> Driver for std::sync::Arc<T> {
-    fn name(&self) -> &'static str {
-        (**self).name()
-    }
-    fn granularity(&self) -> u64 {
-        (**self).granularity()
-    }
-    fn mem_info(&self) -> DriverResult<MemInfo> {
-        (**self).mem_info()
-    }
-    fn reserve(&self, size: u64) -> DriverResult<DevAddr> {
-        (**self).reserve(size)
-    }
-    fn free_reservation(&self, base: DevAddr, size: u64) -> DriverResult<()> {
-        (**self).free_reservation(base, size)
-    }
-    fn create(&self, size: u64) -> DriverResult<PhysHandle> {
-        (**self).create(size)
-    }
-    fn release(&self, handle: PhysHandle) -> DriverResult<()> {
-        (**self).release(handle)
-    }
-    fn map(&self, addr: DevAddr, size: u64, handle: PhysHandle) -> DriverResult<()> {
-        (**self).map(addr, size, handle)
-    }
-    fn unmap(&self, addr: DevAddr, size: u64) -> DriverResult<()> {
-        (**self).unmap(addr, size)
-    }
-    fn set_access(&self, addr: DevAddr, size: u64) -> DriverResult<()> {
-        (**self).set_access(addr, size)
-    }
-    fn record_event(&self, stream: Stream) -> DriverResult<EventId> {
-        (**self).record_event(stream)
-    }
-    fn query_event(&self, event: EventId) -> DriverResult<bool> {
-        (**self).query_event(event)
-    }
-    fn wait_event(&self, event: EventId) -> DriverResult<()> {
-        (**self).wait_event(event)
-    }
-    fn destroy_event(&self, event: EventId) -> DriverResult<()> {
-        (**self).destroy_event(event)
-    }
-    fn write(&self, addr: DevAddr, data: &[u8]) -> DriverResult<()> {
-        (**self).write(addr, data)
-    }
-    fn read(&self, addr: DevAddr, buf: &mut [u8]) -> DriverResult<()> {
-        (**self).read(addr, buf)
-    }
-    fn has_data(&self) -> bool {
-        (**self).has_data()
-    }
-    fn simulated_work(&self) -> Option<&dyn SimulatedWork> {
-        (**self).simulated_work()
-    }
 }

@@ -118,6 +118,7 @@ impl SimDriver {
         self.inner.lock().mappings.len()
     }
 
+    #[cfg(feature = "testing")]
     /// Every live handle as `(size, addresses it is mapped at)` (read-only, for the test
     /// harness's oracle).
     pub(crate) fn handle_mappings(&self) -> Vec<(u64, Vec<DevAddr>)> {

@@ -60,7 +60,7 @@ impl StreamModel {
         self.next_event += 1;
         let seq = self.streams.get(&stream).map_or(0, |s| s.enqueued);
         self.events.insert(self.next_event, (stream, seq));
-        EventId(self.next_event)
+        EventId::new(self.next_event)
     }
 
     /// Whether `ev` has completed; `None` for an unknown event.
@@ -150,7 +150,7 @@ mod tests {
     #[test]
     fn event_completes_after_earlier_work_only() {
         let mut m = StreamModel::default();
-        let s = Stream(7);
+        let s = Stream::sim(7);
         let w1 = m.launch(s, 0, 10);
         let e1 = m.record(s);
         let _w2 = m.launch(s, 100, 10);
@@ -172,9 +172,9 @@ mod tests {
     #[test]
     fn event_on_idle_stream_is_complete() {
         let mut m = StreamModel::default();
-        let e = m.record(Stream(3));
+        let e = m.record(Stream::sim(3));
         assert_eq!(m.query(e), Some(true));
-        let other = m.launch(Stream(4), 0, 1);
+        let other = m.launch(Stream::sim(4), 0, 1);
         assert_eq!(
             m.query(e),
             Some(true),

@@ -77,7 +77,7 @@ impl Fences {
     pub(crate) fn new() -> Self {
         Fences {
             owners: vec![Owner {
-                stream: Stream(u64::MAX),
+                stream: Stream::sim(u64::MAX),
                 free_seq: 0,
                 fence: None,
             }],

@@ -44,7 +44,7 @@ impl Ghosts {
     /// The distinct events still to complete, each once, sorted.
     pub(crate) fn events(&self) -> Vec<EventId> {
         let mut evs: Vec<EventId> = self.list.iter().filter_map(|g| g.event).collect();
-        evs.sort_by_key(|e| e.0);
+        evs.sort_by_key(|e| e.raw());
         evs.dedup();
         evs
     }

@@ -211,7 +211,8 @@ impl Engine {
         overfit: bool,
     ) -> Result<u64> {
         self.stats.slow_allocs += 1;
-        let _span = tracing::debug_span!("alloc_slow", size, ?pool, stream = stream.0).entered();
+        let _span =
+            tracing::debug_span!("alloc_slow", size, ?pool, stream = stream.raw()).entered();
         // Frees fenced since the last slow path may have become clean and merged.
         self.poll(d, false)?;
         let fits = if overfit {

@@ -302,11 +302,11 @@ impl Engine {
                 loop {
                     let (state, stream, requested) = match b.state {
                         State::Live { requested, stream } => {
-                            ("live", Some(stream.0), Some(requested))
+                            ("live", Some(stream.raw()), Some(requested))
                         }
                         State::Free { owner, .. } if owner.is_clean() => ("free", None, None),
                         State::Free { owner, .. } => {
-                            ("dirty", Some(self.fences.owner(owner).stream.0), None)
+                            ("dirty", Some(self.fences.owner(owner).stream.raw()), None)
                         }
                         State::Pending => ("pending", None, None),
                         State::Vacant => unreachable!(),

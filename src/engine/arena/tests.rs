@@ -1,7 +1,7 @@
 use super::*;
 
 const U: u64 = UNIT;
-const S: Stream = Stream(7);
+const S: Stream = Stream::sim(7);
 const DIRTY: OwnerId = OwnerId(1);
 
 fn clean() -> State {

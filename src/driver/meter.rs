@@ -1,0 +1,436 @@
+//! Metering: the one driver wrapper that counts every call, measures its wall time and prices
+//! it with the cost model ([`crate::cost`]), by kind.
+//!
+//! [`Metering`] is a [`Forward`] wrapper whose hook records each call into a [`Meter`]. The
+//! meter prices a call with the exact size of the handle or mapping it touches, which it
+//! learns by keeping the handles and mappings the calls created in a ledger (the CPU
+//! backends' bookkeeping, used here without its rule checks). Failed calls are priced too
+//! (the GPU would have spent the time).
+//!
+//! Two ownerships of the same wrapper:
+//! * [`Timed<D>`] owns its meter (the C ABI reads [`Metering::timings`] through the
+//!   allocator's driver);
+//! * [`Metered<D>`] shares an `Arc<Meter>` that the caller keeps (replays read the modeled
+//!   time while the allocator owns the driver).
+#![forbid(unsafe_code)]
+
+use super::forward::{Call, Done, Forward};
+use super::ledger::Ledger;
+use super::{CallCounts, Driver, DriverError, DriverOp};
+use crate::cost::CostModel;
+use parking_lot::Mutex;
+use std::borrow::Borrow;
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::Arc;
+
+const KINDS: usize = DriverOp::ALL.len();
+
+/// Size assumed for a released handle the meter never saw created.
+const UNKNOWN_HANDLE_SIZE: u64 = 2 << 20;
+
+#[derive(Debug)]
+struct MeterState {
+    /// Handles and mappings the metered calls created and have not yet given back; its
+    /// `calls` counts every call seen, failed ones included.
+    ledger: Ledger,
+    /// Wall time inside the inner driver, by kind.
+    ns: [u64; KINDS],
+    /// Modeled microseconds, by kind.
+    us: [f64; KINDS],
+    /// Modeled microseconds in all, summed call by call (so that it does not depend on the
+    /// order in which the kinds are added up).
+    total_us: f64,
+}
+
+/// What a [`Metering`] driver recorded: calls, measured time and modeled time, by kind.
+#[derive(Debug)]
+pub struct Meter {
+    cost: CostModel,
+    state: Mutex<MeterState>,
+}
+
+impl Meter {
+    /// A shared meter pricing with `cost` (for [`Metered`]).
+    pub fn new(cost: CostModel) -> Arc<Self> {
+        Arc::new(Self::unshared(cost))
+    }
+
+    /// A meter pricing with `cost`, to be owned by one wrapper (for [`Timed`]).
+    pub fn unshared(cost: CostModel) -> Self {
+        Meter {
+            cost,
+            state: Mutex::new(MeterState {
+                // No granularity or capacity rule is checked: any power of two will do.
+                ledger: Ledger::new(1, u64::MAX),
+                ns: [0; KINDS],
+                us: [0.0; KINDS],
+                total_us: 0.0,
+            }),
+        }
+    }
+
+    /// The cost model in use.
+    pub fn cost_model(&self) -> &CostModel {
+        &self.cost
+    }
+
+    /// Modeled microseconds so far.
+    pub fn total_us(&self) -> f64 {
+        self.state.lock().total_us
+    }
+
+    /// Modeled microseconds so far, by call kind (kinds never called are left out).
+    pub fn by_call(&self) -> BTreeMap<&'static str, f64> {
+        let s = self.state.lock();
+        DriverOp::ALL
+            .iter()
+            .zip(s.us.iter())
+            .filter(|(_, &us)| us > 0.0)
+            .map(|(op, &us)| (op.name(), us))
+            .collect()
+    }
+
+    /// Calls seen so far, by kind (failed ones included).
+    pub fn calls(&self) -> CallCounts {
+        self.state.lock().ledger.calls
+    }
+
+    /// The counts and times so far.
+    pub fn timings(&self) -> Timings {
+        let s = self.state.lock();
+        Timings(std::array::from_fn(|i| {
+            let op = DriverOp::ALL[i];
+            OpTiming {
+                op,
+                calls: s.ledger.calls.get(op),
+                measured_ns: s.ns[i],
+                modeled_ns: (s.us[i] * 1e3) as u64,
+                modeled: self.cost.price(op, 0).is_some(),
+            }
+        }))
+    }
+
+    /// Zero the counts and times (the handle and mapping tables are kept, so later calls
+    /// are still priced with their sizes).
+    pub fn reset(&self) {
+        let mut s = self.state.lock();
+        s.ledger.calls = CallCounts::default();
+        s.ns = [0; KINDS];
+        s.us = [0.0; KINDS];
+        s.total_us = 0.0;
+    }
+
+    /// Count, time and price one call the inner driver returned from.
+    fn record(&self, call: &Call, result: Result<Done, &DriverError>, ns: u64) {
+        let c = &self.cost;
+        let op = call.op();
+        let mut s = self.state.lock();
+        let l = &mut s.ledger;
+        l.calls.add(op);
+        let us = match *call {
+            Call::Create { size } => {
+                if let Ok(Done::Handle(h)) = result {
+                    l.commit_create_as(h.0, size);
+                }
+                c.price(op, size)
+            }
+            Call::Release { handle } => {
+                let size = l.handles.get(&handle.0).map(|i| i.size);
+                if result.is_ok() {
+                    l.commit_release(handle);
+                }
+                c.price(op, size.unwrap_or(UNKNOWN_HANDLE_SIZE))
+            }
+            Call::Map { addr, size, handle } => {
+                if result.is_ok() {
+                    l.commit_map(addr, size, handle);
+                }
+                c.price(op, size)
+            }
+            Call::Unmap { addr, size } => {
+                if result.is_ok() {
+                    l.commit_unmap(addr);
+                }
+                c.price(op, size)
+            }
+            // One call per mapping the range covers (anchors: cost follows handles).
+            Call::SetAccess { addr, size } => Some(
+                c.price_set_access(
+                    l.mappings
+                        .range(addr..addr.saturating_add(size))
+                        .map(|(_, m)| m.size),
+                    size,
+                ),
+            ),
+            Call::Reserve { size } | Call::FreeReservation { size, .. } => c.price(op, size),
+            _ => c.price(op, 0),
+        };
+        s.ns[op as usize] += ns;
+        if let Some(us) = us {
+            s.us[op as usize] += us;
+            s.total_us += us;
+        }
+    }
+}
+
+/// Measured and modeled time of one kind of call.
+#[derive(Copy, Clone, Debug, PartialEq, serde::Serialize)]
+pub struct OpTiming {
+    /// The kind of call.
+    pub op: DriverOp,
+    /// Calls made (failed ones included).
+    pub calls: u64,
+    /// Wall time spent inside them, in nanoseconds.
+    pub measured_ns: u64,
+    /// What the cost model predicts for them, in nanoseconds (0 when it prices none).
+    pub modeled_ns: u64,
+    /// Whether the model prices this kind at all.
+    pub modeled: bool,
+}
+
+/// Timings of every kind of call, from [`Metering::timings`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct Timings(pub [OpTiming; KINDS]);
+
+impl Timings {
+    /// The timing of `op`.
+    pub fn get(&self, op: DriverOp) -> OpTiming {
+        self.0[op as usize]
+    }
+    /// Every kind, in [`DriverOp::ALL`] order.
+    pub fn iter(&self) -> impl Iterator<Item = OpTiming> + '_ {
+        self.0.iter().copied()
+    }
+    /// Measured nanoseconds over all calls.
+    pub fn measured_ns(&self) -> u64 {
+        self.0.iter().map(|t| t.measured_ns).sum()
+    }
+    /// Measured nanoseconds over the kinds the model prices (to compare with
+    /// [`Timings::modeled_ns`]).
+    pub fn measured_modeled_kinds_ns(&self) -> u64 {
+        self.0
+            .iter()
+            .filter(|t| t.modeled)
+            .map(|t| t.measured_ns)
+            .sum()
+    }
+    /// Modeled nanoseconds over all priced calls.
+    pub fn modeled_ns(&self) -> u64 {
+        self.0.iter().map(|t| t.modeled_ns).sum()
+    }
+}
+
+impl fmt::Display for Timings {
+    /// A table: one row per kind with calls, measured and modeled milliseconds, their ratio
+    /// and the measured mean per call; then the totals.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "{:<17} {:>8} {:>12} {:>12} {:>9} {:>12}",
+            "call", "count", "measured_ms", "modeled_ms", "meas/mod", "us_per_call"
+        )?;
+        let ms = |ns: u64| ns as f64 / 1e6;
+        for t in self.iter().filter(|t| t.calls > 0) {
+            let name = t.op.name();
+            let modeled = if t.modeled {
+                format!("{:.3}", ms(t.modeled_ns))
+            } else {
+                "-".into()
+            };
+            let ratio = if t.modeled && t.modeled_ns > 0 {
+                format!("{:.2}", t.measured_ns as f64 / t.modeled_ns as f64)
+            } else {
+                "-".into()
+            };
+            writeln!(
+                f,
+                "{:<17} {:>8} {:>12.3} {:>12} {:>9} {:>12.2}",
+                name,
+                t.calls,
+                ms(t.measured_ns),
+                modeled,
+                ratio,
+                t.measured_ns as f64 / 1e3 / t.calls as f64
+            )?;
+        }
+        let (m, p) = (self.measured_modeled_kinds_ns(), self.modeled_ns());
+        writeln!(
+            f,
+            "priced calls: measured {:.3} ms, modeled {:.3} ms, measured/modeled {:.2}; all calls measured {:.3} ms",
+            ms(m),
+            ms(p),
+            if p > 0 { m as f64 / p as f64 } else { 0.0 },
+            ms(self.measured_ns())
+        )
+    }
+}
+
+/// A [`Driver`] that forwards every call to `D` and records it into a [`Meter`] (`M` is the
+/// meter or a shared `Arc` of one): count, wall time inside the call, and the cost model's
+/// price for it.
+///
+/// Works over any backend: on `CudaDriver` it measures the real driver; on the CPU backends
+/// it measures their bookkeeping and still prices the calls as an H200 would.
+pub struct Metering<D, M> {
+    inner: D,
+    meter: M,
+}
+
+/// A [`Metering`] driver that owns its meter, pricing with the H200 table.
+///
+/// ```
+/// use stitch_alloc::driver::{DriverOp, SimDriver, Timed};
+/// use stitch_alloc::{Allocator, Config, Stream};
+/// let a = Allocator::new(Timed::new(SimDriver::with_capacity(1 << 30)), Config::default())
+///     .unwrap();
+/// let p = a.alloc(64 << 20, Stream::DEFAULT).unwrap();
+/// a.free(p, Stream::DEFAULT).unwrap();
+/// let t = a.driver().timings();
+/// assert_eq!(t.get(DriverOp::Create).calls, a.stats().calls.get(DriverOp::Create));
+/// assert!(t.modeled_ns() > 0);
+/// println!("{t}");
+/// ```
+pub type Timed<D> = Metering<D, Meter>;
+
+/// A [`Metering`] driver recording into a meter the caller shares (replays).
+///
+/// ```
+/// use stitch_alloc::cost::CostModel;
+/// use stitch_alloc::driver::{Meter, Metered, SimDriver};
+/// use stitch_alloc::{Allocator, Config, Stream};
+/// let meter = Meter::new(CostModel::h200());
+/// let a = Allocator::new(Metered::new(SimDriver::with_capacity(1 << 30), meter.clone()),
+///     Config::default()).unwrap();
+/// a.alloc(64 << 20, Stream::DEFAULT).unwrap();
+/// assert!(meter.total_us() > 0.0);
+/// ```
+pub type Metered<D> = Metering<D, Arc<Meter>>;
+
+impl<D: fmt::Debug, M> fmt::Debug for Metering<D, M> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Metering")
+            .field("inner", &self.inner)
+            .finish()
+    }
+}
+
+impl<D: Driver> Metering<D, Meter> {
+    /// Wrap `inner` with a meter of its own, pricing with [`CostModel::h200`].
+    pub fn new(inner: D) -> Self {
+        Metering {
+            inner,
+            meter: Meter::unshared(CostModel::h200()),
+        }
+    }
+}
+
+impl<D: Driver> Metering<D, Arc<Meter>> {
+    /// Wrap `inner`, recording into `meter`.
+    pub fn new(inner: D, meter: Arc<Meter>) -> Self {
+        Metering { inner, meter }
+    }
+}
+
+impl<D, M: Borrow<Meter>> Metering<D, M> {
+    /// The wrapped driver.
+    pub fn inner(&self) -> &D {
+        &self.inner
+    }
+    /// The meter (a shared `Arc` for [`Metered`]).
+    pub fn meter(&self) -> &M {
+        &self.meter
+    }
+    /// The counts and times so far ([`Meter::timings`]).
+    pub fn timings(&self) -> Timings {
+        self.meter.borrow().timings()
+    }
+    /// Zero the counts and times ([`Meter::reset`]).
+    pub fn reset(&self) {
+        self.meter.borrow().reset()
+    }
+}
+
+impl<D: Driver, M: Borrow<Meter> + Send + Sync> Forward for Metering<D, M> {
+    type Inner = D;
+    const MEASURE: bool = true;
+    fn inner(&self) -> &D {
+        &self.inner
+    }
+    fn after(&self, call: &Call, result: Result<Done, &DriverError>, elapsed_ns: u64) {
+        self.meter.borrow().record(call, result, elapsed_ns);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::driver::SimDriver;
+    use crate::{Allocator, Config, Stream};
+
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn counts_match_the_allocator_and_set_access_is_priced_per_mapping() {
+        let a = Allocator::new(
+            Timed::new(SimDriver::with_capacity(1 << 30)),
+            Config::default().with_handle_sizes(0, 2 * MIB),
+        )
+        .unwrap();
+        let p = a.alloc(16 * MIB, Stream::DEFAULT).unwrap();
+        a.free(p, Stream::DEFAULT).unwrap();
+        a.empty_cache().unwrap();
+        let t = a.driver().timings();
+        let calls = a.stats().calls;
+        for op in DriverOp::ALL {
+            if op != DriverOp::MemInfo {
+                assert_eq!(t.get(op).calls, calls.get(op), "{op}");
+            }
+        }
+        // 8 handles of 2 MiB: 8 creates, maps, unmaps and releases, and access for 8
+        // mappings however many set_access calls covered them.
+        assert_eq!(t.get(DriverOp::Create).calls, 8);
+        assert_eq!(t.get(DriverOp::Create).modeled_ns, 8 * 11_000);
+        assert_eq!(t.get(DriverOp::Release).modeled_ns, 8 * 12_000);
+        assert_eq!(t.get(DriverOp::Unmap).modeled_ns, 8 * 18_000);
+        let sa = t.get(DriverOp::SetAccess);
+        let per_mapping = 8 * 26_500;
+        assert!(
+            sa.modeled_ns >= per_mapping && sa.modeled_ns < per_mapping + 8 * 8 * 33 + 1,
+            "{sa:?}"
+        );
+        assert!(t.measured_ns() > 0);
+        let table = t.to_string();
+        assert!(table.contains("set_access") && table.contains("measured/modeled"));
+        a.driver().reset();
+        assert_eq!(a.driver().timings().measured_ns(), 0);
+        assert_eq!(a.driver().timings().get(DriverOp::Create).calls, 0);
+        assert!(a.driver().inner().leak_report().reservations > 0);
+    }
+
+    #[test]
+    fn failed_calls_are_counted_and_priced_and_sizes_come_from_the_calls() {
+        let meter = Meter::new(CostModel::h200());
+        let d = Metered::new(SimDriver::with_capacity(64 * MIB), meter.clone());
+        assert!(d.create(128 * MIB).is_err(), "over capacity");
+        let h = d.create(64 * MIB).unwrap();
+        let va = d.reserve(64 * MIB).unwrap();
+        d.map(va, 64 * MIB, h).unwrap();
+        d.set_access(va, 64 * MIB).unwrap();
+        d.unmap(va, 64 * MIB).unwrap();
+        d.release(h).unwrap();
+        d.free_reservation(va, 64 * MIB).unwrap();
+        let c = CostModel::h200();
+        let by = meter.by_call();
+        assert_eq!(by["create"], c.create.at(128 * MIB) + c.create.at(64 * MIB));
+        assert_eq!(
+            by["release"], 40.0,
+            "priced with the size it was created with"
+        );
+        assert_eq!(by["set_access"], 43.5 + c.set_access_quadratic);
+        assert_eq!(meter.calls().get(DriverOp::Create), 2);
+        let sum: f64 = by.values().sum();
+        assert!((meter.total_us() - sum).abs() < 1e-9);
+        assert_eq!(d.timings().get(DriverOp::Copy).calls, 0);
+    }
+}
