@@ -90,6 +90,25 @@ pub struct Config {
     /// trade-off).
     #[serde(deserialize_with = "de_size")]
     pub max_handle: u64,
+    /// New large-pool memory is created in handles of about `request / handle_divisor`
+    /// bytes (a power of two times the granularity, between `split_min` and `max_handle`),
+    /// so that a later, smaller request reusing the memory can be cut at a handle boundary
+    /// and strands little (default 16; 1 = handles of `max_handle`, the fewest driver
+    /// calls). The zoo of real PyTorch workloads (design/zoo.md) measures the trade-off.
+    #[serde(deserialize_with = "de_parsed")]
+    pub handle_divisor: u64,
+    /// The smallest handle `handle_divisor` splits down to, a multiple of the granularity
+    /// (default 4 MiB): the floor under the number of driver calls per byte created.
+    #[serde(deserialize_with = "de_size")]
+    pub split_min: u64,
+    /// When stitching moves two or more clean free handles, release them and create the
+    /// span's memory anew instead of remapping each (default on): a release costs less than
+    /// an unmap plus a SetAccess, and the span ends up with few handles. Memory released to
+    /// the driver can be taken by another process before it is created again: turn it off
+    /// when several processes share the device and one must never see an OOM it would not
+    /// have seen with remapping.
+    #[serde(deserialize_with = "de_flag")]
+    pub recreate: bool,
     /// Remap free handles into contiguous spans when no free span fits (default on). Off
     /// gives a plain caching allocator on VMM that releases and re-creates instead.
     #[serde(deserialize_with = "de_flag")]
@@ -99,10 +118,11 @@ pub struct Config {
     /// of remapping free handles, and a large request avoids pinning a free block four or
     /// more times its size. Past that budget, free handles are reused (stitched) first.
     /// 0 = always reuse first (lowest memory, most remapping); large = a plain cache.
-    /// Default 0.01; at most [`MAX_RESERVE_SLACK`].
+    /// Default 0 (the zoo: 0.01 with a 64 MiB floor cost up to 0.05 of peak on small
+    /// workloads and saved little driver time); at most [`MAX_RESERVE_SLACK`].
     #[serde(deserialize_with = "de_number")]
     pub reserve_slack: f64,
-    /// A floor under the growth slack in bytes (default 64 MiB), so that a small working set
+    /// A floor under the growth slack in bytes (default 0), so that a small working set
     /// is not remapped on every miss to save a few megabytes.
     #[serde(deserialize_with = "de_size")]
     pub reserve_slack_min: u64,
@@ -128,9 +148,12 @@ impl Default for Config {
             medium_page: 64 << 20,
             min_handle: None,
             max_handle: 128 << 20,
+            handle_divisor: 16,
+            split_min: 4 << 20,
+            recreate: true,
             stitching: true,
-            reserve_slack: 0.01,
-            reserve_slack_min: 64 << 20,
+            reserve_slack: 0.0,
+            reserve_slack_min: 0,
             va_chunk: None,
             va_limit: 32 << 40,
             paranoid: false,
@@ -207,6 +230,8 @@ impl Config {
             ("medium_page", Some(self.medium_page)),
             ("min_handle", self.min_handle),
             ("max_handle", Some(self.max_handle)),
+            ("split_min", Some(self.split_min)),
+            ("handle_divisor", Some(self.handle_divisor)),
             ("reserve_slack_min", Some(self.reserve_slack_min)),
             ("va_chunk", self.va_chunk),
             ("va_limit", Some(self.va_limit)),
@@ -221,6 +246,8 @@ impl Config {
             ("small_page", self.small_page),
             ("min_handle", self.min_handle),
             ("max_handle", Some(self.max_handle)),
+            ("split_min", Some(self.split_min)),
+            ("handle_divisor", Some(self.handle_divisor)),
             ("va_chunk", self.va_chunk),
         ] {
             if v == Some(0) {
@@ -269,10 +296,12 @@ impl Config {
         let small_page = self.small_page.unwrap_or(g);
         let min_handle = self.min_handle.unwrap_or(g);
         let max_handle = self.max_handle;
+        let split_min = self.split_min.max(g).min(max_handle);
         for (name, v) in [
             ("small_page", small_page),
             ("min_handle", min_handle),
             ("max_handle", max_handle),
+            ("split_min", split_min),
         ] {
             if v % g != 0 {
                 return bad(format!(
@@ -318,6 +347,9 @@ impl Config {
             medium_page,
             min_handle,
             max_handle,
+            handle_divisor: self.handle_divisor.max(1),
+            split_min,
+            recreate: self.recreate,
             stitching: self.stitching,
             reserve_slack: self.reserve_slack,
             reserve_slack_min: self.reserve_slack_min,
@@ -349,6 +381,11 @@ pub(crate) struct Resolved {
     pub min_handle: u64,
     /// A multiple of the granularity.
     pub max_handle: u64,
+    /// At least 1.
+    pub handle_divisor: u64,
+    /// A multiple of the granularity in `[granularity, max_handle]`.
+    pub split_min: u64,
+    pub recreate: bool,
     pub stitching: bool,
     /// Finite, in `[0, MAX_RESERVE_SLACK]`.
     pub reserve_slack: f64,
@@ -896,7 +933,7 @@ mod tests {
         let e = from_pairs::<Config>(&split_pairs("stitching:maybe").unwrap()).unwrap_err();
         assert!(e.contains("true or false"), "{e}");
         let names = field_names::<Config>();
-        assert_eq!(names.len(), 13);
+        assert_eq!(names.len(), 16);
         assert!(names.contains(&"reserve_slack_min") && names.contains(&"capacity"));
     }
 }

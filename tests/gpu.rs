@@ -138,13 +138,13 @@ fn refusals<D: Driver>(d: &D) {
 /// size of all the holes: it must succeed by stitching, and the survivors keep their bytes.
 fn checkerboard<D: Driver>(d: D, count: u64, block: u64) {
     let capacity = count * block;
-    let a = Allocator::new(
-        d,
-        Config::default()
-            .with_capacity(Capacity::Bytes(capacity))
-            .with_paranoid(true),
-    )
-    .unwrap();
+    // Stitching by remapping (not release and re-create): this checks that moved handles
+    // keep their bytes.
+    let mut cfg = Config::default()
+        .with_capacity(Capacity::Bytes(capacity))
+        .with_paranoid(true);
+    cfg.recreate = false;
+    let a = Allocator::new(d, cfg).unwrap();
     let probe = 1 << 20; // bytes checked at the start, middle and end of each block
     let spots = |p: u64| [p, p + block / 2 - probe / 2, p + block - probe];
 

@@ -674,7 +674,7 @@ fn cli_replay_json_has_every_key() {
 fn cli_no_stitch_is_no_better_on_the_checkerboard() {
     let f = data("checkerboard-small.trace");
     let f = f.to_str().unwrap();
-    let on = json(&["replay", f, "--json", "--capacity", "2GiB"]);
+    let on = json(&["replay", f, "--json", "--capacity", "2GiB", "--no-recreate"]);
     let off = json(&["replay", f, "--json", "--capacity", "2GiB", "--no-stitch"]);
     assert!(
         off["ratio"].as_f64().unwrap() >= on["ratio"].as_f64().unwrap(),

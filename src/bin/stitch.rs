@@ -124,6 +124,18 @@ struct AllocArgs {
         "Largest single handle", "max_handle", size_text(Config::default().max_handle)))]
     max_handle: Option<u64>,
     #[arg(long, help = config_help(
+        "New large-pool memory in handles of about request / this", "handle_divisor",
+        Config::default().handle_divisor.to_string()))]
+    handle_divisor: Option<u64>,
+    #[arg(long, value_parser = parse_size, help = config_help(
+        "Smallest handle the divisor splits down to", "split_min",
+        size_text(Config::default().split_min)))]
+    split_min: Option<u64>,
+    /// Remap free handles when stitching instead of releasing and re-creating them
+    /// (Config::recreate off).
+    #[arg(long)]
+    no_recreate: bool,
+    #[arg(long, help = config_help(
         "Growth slack: create new memory while reserved stays within (1 + slack) x peak live, \
          reuse (stitch) free handles past it",
         "reserve_slack", Config::default().reserve_slack.to_string()))]
@@ -150,6 +162,13 @@ impl AllocArgs {
         if let Some(v) = self.max_handle {
             c.max_handle = v;
         }
+        if let Some(v) = self.handle_divisor {
+            c.handle_divisor = v;
+        }
+        if let Some(v) = self.split_min {
+            c.split_min = v;
+        }
+        c.recreate = !self.no_recreate;
         if let Some(v) = self.reserve_slack {
             c.reserve_slack = v;
         }
@@ -685,6 +704,9 @@ fn demo_run(t: &Trace, stitching: bool, backend: Backend) -> Result<ReplayReport
         no_stitch: !stitching,
         min_handle: None,
         max_handle: None,
+        handle_divisor: None,
+        split_min: None,
+        no_recreate: false,
         reserve_slack: None,
         reserve_slack_min: None,
         paranoid: false,
@@ -898,12 +920,9 @@ mod tests {
             help.contains("Config::max_handle; default 128 MiB"),
             "{help}"
         );
+        assert!(help.contains("Config::reserve_slack; default 0"), "{help}");
         assert!(
-            help.contains("Config::reserve_slack; default 0.01"),
-            "{help}"
-        );
-        assert!(
-            help.contains("Config::reserve_slack_min; default 64 MiB"),
+            help.contains("Config::reserve_slack_min; default 0)"),
             "{help}"
         );
     }

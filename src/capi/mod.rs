@@ -44,7 +44,7 @@ pub const CONF_ENV: &str = "STITCH_ALLOC_CONF";
 /// The keys `STITCH_ALLOC_CONF` accepts: the C ABI's own (backend, capacity, log, devices,
 /// out-of-memory policy), then the fields of [`Config`](crate::Config) but `capacity`
 /// (checked against both structs by a test).
-pub const CONF_KEYS: [&str; 18] = [
+pub const CONF_KEYS: [&str; 21] = [
     "backend",
     "capacity_fraction",
     "capacity_bytes",
@@ -57,6 +57,9 @@ pub const CONF_KEYS: [&str; 18] = [
     "medium_page",
     "min_handle",
     "max_handle",
+    "handle_divisor",
+    "split_min",
+    "recreate",
     "stitching",
     "reserve_slack",
     "reserve_slack_min",

@@ -61,7 +61,7 @@ impl Engine {
         if b.short_without_room && create > self.headroom() {
             return Ok(Grow::Short);
         }
-        self.build(d, b.chosen, create, b.pool, b.extend)
+        self.build(d, b.chosen, create, b.handle_size, b.pool, b.extend)
     }
 
     /// Turn a free mapped handle into a page of `pool` where it sits.
@@ -121,20 +121,22 @@ impl Engine {
     }
 
     /// Build one new mapped run in `pool` from the `chosen` free handles plus `create` new
-    /// bytes; or, with `extend = Some(b)`, map them right after clean free block `b` (which
-    /// ends its run and has free address space after it) and grow `b`.
+    /// bytes (in handles of at most `handle_size`); or, with `extend = Some(b)`, map them
+    /// right after clean free block `b` (which ends its run and has free address space after
+    /// it) and grow `b`.
     fn build<D: Driver + ?Sized>(
         &mut self,
         d: &D,
         mut chosen: Vec<Candidate>,
         create: u64,
+        handle_size: u64,
         pool: Pool,
         extend: Option<u32>,
     ) -> Result<Grow> {
         let _span =
             tracing::debug_span!("build_span", moved = chosen.len(), create, ?pool).entered();
         // 1. Create the shortfall.
-        let Some(fresh) = self.create_handles(d, create)? else {
+        let Some(fresh) = self.create_handles(d, create, handle_size)? else {
             return Ok(Grow::DriverOom);
         };
         // 2. Dirty candidates (freed on the requesting stream, maybe still in use by work
@@ -249,17 +251,20 @@ impl Engine {
         Ok(Grow::Done)
     }
 
-    /// Create `bytes` of new handles, in handles of at most `max_handle` bytes. `None` when
-    /// the driver is out of memory below our capacity (what was created is released).
+    /// Create `bytes` of new handles of at most `handle_size` bytes each (a multiple of the
+    /// granularity; the last one takes the remainder). `None` when the driver is out of
+    /// memory below our capacity (what was created is released).
     fn create_handles<D: Driver + ?Sized>(
         &mut self,
         d: &D,
         bytes: u64,
+        handle_size: u64,
     ) -> Result<Option<Vec<u32>>> {
         let mut fresh = Vec::new();
         let mut left = bytes;
+        let handle_size = handle_size.clamp(self.cfg.granularity, self.cfg.max_handle);
         while left > 0 {
-            let sz = left.min(self.cfg.max_handle);
+            let sz = left.min(handle_size);
             match self.driver_call(DriverOp::Create, || d.create(sz)) {
                 Ok(h) => {
                     tracing::debug!(size = sz, "created a handle");

@@ -84,7 +84,9 @@ fn layout_json(e: &Engine) -> String {
 
 #[test]
 fn over_budget_a_large_request_grows_a_free_block_in_place_with_another_free_handle() {
-    let (d, mut e) = engine(Config::default().with_reserve_slack(0.0, 0));
+    let mut cfg = Config::default().with_reserve_slack(0.0, 0);
+    cfg.handle_divisor = 1; // one handle per allocation
+    let (d, mut e) = engine(cfg);
     let s = Stream::DEFAULT;
     let p: Vec<u64> = (0..4).map(|_| e.alloc(&d, 8 * M, s).unwrap()).collect();
     e.free(&d, p[0], s).unwrap();
@@ -108,22 +110,68 @@ fn over_budget_a_large_request_grows_a_free_block_in_place_with_another_free_han
 }
 
 #[test]
-fn within_budget_a_large_request_creates_first_and_stitches_if_the_driver_refuses() {
-    let (d, mut e) = engine(Config::default());
+fn within_budget_a_large_request_grows_a_free_tail_in_place_first() {
+    let mut cfg = Config::default().with_reserve_slack(0.01, 64 * M);
+    cfg.handle_divisor = 1;
+    let (d, mut e) = engine(cfg);
     let s = Stream::DEFAULT;
     let p = e.alloc(&d, 8 * M, s).unwrap();
     e.free(&d, p, s).unwrap();
     e.poll(&d, true).unwrap();
     let got = plan(&e, Pool::Large, 24 * M);
     let [Step::Build(first), Step::Build(second)] = &got.steps[..] else {
-        panic!("a create, then a fallback: {got:?}")
+        panic!("a create in place, then a fallback: {got:?}")
     };
-    // The free 8 MiB block is under half the request: no growth in place.
-    assert_eq!((first.extend, second.extend), (None, None));
-    assert!(first.chosen.is_empty());
-    assert_eq!(first.create, Create::Exact(24 * M));
-    assert_eq!((second.chosen.len(), second.chosen[0].size), (1, 8 * M));
-    assert_eq!(second.create, Create::Exact(16 * M));
+    // The free 8 MiB block ends its run: it grows in place by the missing 16 MiB (any free
+    // tail does, however small against the request), and again if the driver refuses.
+    let tail = first.extend.expect("grown in place");
+    assert_eq!(second.extend, Some(tail));
+    assert!(first.chosen.is_empty() && second.chosen.is_empty());
+    assert_eq!(first.create, Create::Exact(16 * M));
+    e.alloc(&d, 24 * M, s).unwrap();
+    assert_eq!(e.stats.extensions, 1);
+    e.validate().unwrap();
+    e.teardown(&d);
+}
+
+#[test]
+fn handles_are_sized_to_the_request() {
+    let mut cfg = Config::default();
+    cfg.split_min = 4 * M;
+    let d = SimDriver::with_capacity(64 * M);
+    let r = cfg.resolve(d.granularity(), d.mem_info().unwrap()).unwrap();
+    // About request / 16, a power of two times 2 MiB, within [4 MiB, 128 MiB].
+    assert_eq!(super::handle_size(&r, 8 * M), 4 * M);
+    assert_eq!(super::handle_size(&r, 256 * M), 16 * M);
+    assert_eq!(super::handle_size(&r, 300 * M), 16 * M);
+    assert_eq!(super::handle_size(&r, 1 << 30), 64 * M);
+    assert_eq!(super::handle_size(&r, 64 << 30), 128 * M);
+    let mut one = cfg.clone();
+    one.handle_divisor = 1;
+    let r1 = one.resolve(d.granularity(), d.mem_info().unwrap()).unwrap();
+    assert_eq!(super::handle_size(&r1, 8 * M), 128 * M);
+}
+
+#[test]
+fn past_the_budget_a_page_replaces_a_clean_free_handle_instead_of_growing() {
+    let (d, mut e) = engine(Config::default());
+    let s = Stream::DEFAULT;
+    let p = e.alloc(&d, 8 * M, s).unwrap();
+    e.free(&d, p, s).unwrap();
+    e.poll(&d, true).unwrap();
+    let reserved = e.stats.reserved.current;
+    let got = plan(&e, Pool::Small, 4096);
+    let [Step::Release(r), Step::Build(b)] = &got.steps[..] else {
+        panic!("release a free handle, then build a page: {got:?}")
+    };
+    assert_eq!(r.len(), 1);
+    assert_eq!(b.pool, Pool::Small);
+    e.alloc(&d, 4096, s).unwrap();
+    assert!(
+        e.stats.reserved.current <= reserved,
+        "reserved did not grow"
+    );
+    e.validate().unwrap();
     e.teardown(&d);
 }
 
