@@ -110,7 +110,7 @@ fn over_budget_a_large_request_grows_a_free_block_in_place_with_another_free_han
 }
 
 #[test]
-fn within_budget_a_large_request_grows_a_free_tail_in_place_first() {
+fn within_budget_a_large_request_creates_first_and_stitches_if_the_driver_refuses() {
     let mut cfg = Config::default().with_reserve_slack(0.01, 64 * M);
     cfg.handle_divisor = 1;
     let (d, mut e) = engine(cfg);
@@ -120,24 +120,23 @@ fn within_budget_a_large_request_grows_a_free_tail_in_place_first() {
     e.poll(&d, true).unwrap();
     let got = plan(&e, Pool::Large, 24 * M);
     let [Step::Build(first), Step::Build(second)] = &got.steps[..] else {
-        panic!("a create in place, then a fallback: {got:?}")
+        panic!("a create, then a fallback: {got:?}")
     };
-    // The free 8 MiB block ends its run: it grows in place by the missing 16 MiB (any free
-    // tail does, however small against the request), and again if the driver refuses.
-    let tail = first.extend.expect("grown in place");
-    assert_eq!(second.extend, Some(tail));
-    assert!(first.chosen.is_empty() && second.chosen.is_empty());
-    assert_eq!(first.create, Create::Exact(16 * M));
-    e.alloc(&d, 24 * M, s).unwrap();
-    assert_eq!(e.stats.extensions, 1);
-    e.validate().unwrap();
+    // The free 8 MiB block is under half the request: no growth in place.
+    assert_eq!((first.extend, second.extend), (None, None));
+    assert!(first.chosen.is_empty());
+    assert_eq!(first.create, Create::Exact(24 * M));
+    assert_eq!((second.chosen.len(), second.chosen[0].size), (1, 8 * M));
+    assert_eq!(second.create, Create::Exact(16 * M));
     e.teardown(&d);
 }
 
 #[test]
 fn handles_are_sized_to_the_request() {
-    let mut cfg = Config::default();
-    cfg.split_min = 4 * M;
+    let cfg = Config {
+        split_min: 4 * M,
+        ..Config::default()
+    };
     let d = SimDriver::with_capacity(64 * M);
     let r = cfg.resolve(d.granularity(), d.mem_info().unwrap()).unwrap();
     // About request / 16, a power of two times 2 MiB, within [4 MiB, 128 MiB].
