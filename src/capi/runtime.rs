@@ -747,10 +747,7 @@ mod tests {
         // After the capture, a second free of the held block is refused, not a reuse.
         free(rt, p, 0, Stream::DEFAULT);
         assert!(last_error().contains("freed already, during a CUDA graph capture"));
-        assert_eq!(
-            doc(rt, 0)["torch"]["allocated_bytes.all.current"],
-            16 * MIB
-        );
+        assert_eq!(doc(rt, 0)["torch"]["allocated_bytes.all.current"], 16 * MIB);
         free(rt, q, 0, Stream::DEFAULT);
         let r = malloc(rt, 8 * MIB, 0, cap);
         assert!(r != 0 && r != p, "the held block is never handed out again");
