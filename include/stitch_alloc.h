@@ -22,6 +22,9 @@
  *                               for tests and CPU-only use. sim: accounting only; its
  *                               pointers must never be dereferenced.
  *   capacity_fraction:F         limit each device to F of its memory, F in (0, 1]
+ *                               (whatever the limit, the capacity never exceeds the
+ *                               device memory free at its first allocation: memory other
+ *                               processes or this one's CUDA context hold is not counted)
  *   capacity_bytes:N            limit each device to N bytes (host/sim: the device's size;
  *                               default 16 GiB host, 139.8 GiB sim). Excludes
  *                               capacity_fraction.
@@ -57,7 +60,21 @@
  * (stitch_last_error). Pointers passed in are never dereferenced, only looked up.
  *
  * Threads: every function may be called from any thread. One allocator per device, created
- * at the device's first allocation and kept until the process exits.
+ * at the device's first allocation and kept until the process exits. No function touches
+ * the CUDA driver (cuInit) before the first allocation, and every one leaves the calling
+ * thread's current CUDA context as it found it.
+ *
+ * Fork: in a child forked after the library's first call, every function fails at once
+ * with an error naming the fork ("used in a forked child"): the parent's CUDA memory is not
+ * usable there, and a lock a parent thread held cannot hang the child.
+ *
+ * Internal errors: a Rust panic caught inside a device's allocator disables that device
+ * (its state may be half-updated): every later call on it fails, naming the first panic.
+ *
+ * CUDA graphs: not supported yet (no private graph pools). stitch_malloc on a stream that
+ * is capturing returns NULL ("CUDA graph capture is not supported by stitch-alloc yet");
+ * stitch_free on one keeps the block out of the pool until the process ends (the graph
+ * may use it on replay), counted as "graph_held_bytes" in the statistics.
  *
  * Note for PyTorch users: torch 2.11's CUDAPluggableAllocator::allocate does not check the
  * pointer its allocator returns, so running out of memory does not raise
@@ -79,8 +96,10 @@ extern "C" {
 /*
  * Allocate `size` bytes on `device` for use on `stream` (a cudaStream_t; NULL is the
  * default stream). Memory is aligned to 512 bytes and stays at its address until freed.
- * Returns NULL on failure: size 0, a request larger than the capacity ("request too
- * large"), out of memory, a device out of range, an invalid configuration.
+ * Returns NULL on failure: a request larger than the capacity ("request too large"), out
+ * of memory, a device out of range, an invalid configuration, a stream capturing a CUDA
+ * graph, a forked child, a disabled device. Size 0 returns NULL without touching the
+ * last error (so an out-of-memory diagnosis survives the empty tensors after it).
  * Torch's allocation function.
  */
 void* stitch_malloc(size_t size, int device, void* stream);
@@ -107,7 +126,8 @@ void stitch_reset(void);
 /*
  * Torch's memory-fraction hook (torch.cuda.set_per_process_memory_fraction): limit `device`
  * to `fraction` (0 < fraction <= 1) of its memory. Takes effect only before the device's
- * first allocation; a later call changes nothing and is reported as an error.
+ * first allocation; a later call changes nothing and is reported as an error (logged at
+ * log:error; the Python package raises RuntimeError).
  */
 void stitch_memory_fraction(double fraction, int device);
 
@@ -128,10 +148,12 @@ int stitch_empty_cache(int device);
  * The string is owned by the library and stays valid until the next stitch_stats_json
  * call on the same thread: copy it if you keep it; never free it.
  *
- * Fields: "version", "device", "backend", "initialized" (false until the device's first
+ * Fields: "version", "device", "backend" (before the first allocation with backend auto
+ * or cuda: the configured one, unresolved), "initialized" (false until the device's first
  * allocation; the counters are then 0), "init_device_count" (the count stitch_init was
  * given, -1 before), "conf" (STITCH_ALLOC_CONF as read), "capacity",
- * "granularity", "driver_calls", "vmm_calls",
+ * "granularity", "driver_calls", "vmm_calls", "graph_held_bytes" (blocks freed during a
+ * graph capture, held),
  * "driver_time_us" (measured wall time inside driver calls, microseconds) and
  * "driver_time_us_by_call" (the same by call kind: "create", "map", "set_access", ...),
  * "torch": PyTorch memory_stats() names: "allocated_bytes.all.current"/".peak",

@@ -206,3 +206,16 @@ fn c_abi_on_oom_abort() {
         "stderr: {err}"
     );
 }
+
+#[test]
+fn c_abi_fails_cleanly_in_a_forked_child() {
+    if !source_tree("c_abi_fails_cleanly_in_a_forked_child") {
+        return;
+    }
+    let (ok, out, err) = run(&["fork"], "backend:host,capacity_bytes:256MiB,log:warn");
+    assert!(ok, "the C test failed:\n{out}\n{err}");
+    assert!(out.contains(" passed, 0 failed"), "{out}");
+    assert!(out.contains("children: 20 clean"), "{out}");
+    // Each child said it once on stderr.
+    assert!(err.contains("used in a forked child"), "{err}");
+}

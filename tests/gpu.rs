@@ -546,3 +546,125 @@ fn host_free_then_stitch_on_other_stream_waits_for_the_work() {
     assert_eq!(a.shutdown().leaked_allocations, 0);
     assert!(a.driver().leak_report().is_clean());
 }
+
+/// This thread's current CUDA context (a `CUcontext` as an integer).
+fn current_context() -> usize {
+    use cudarc::driver::sys;
+    let mut cur: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: a valid out-pointer; the driver is initialised (a `CudaDriver` was opened).
+    let r = unsafe { sys::cuCtxGetCurrent(&mut cur) };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
+    cur as usize
+}
+
+/// Issue #13, item 1: every driver entry leaves the caller's current context as it found
+/// it: a context of the caller's own (not the primary one), and none at all. Through the
+/// allocator, the streams, the capture query and the C ABI's malloc / free / reset.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-check.sh run)"]
+fn gpu_caller_context_is_restored() {
+    use cudarc::driver::sys;
+    use stitch_alloc::capi::{stitch_free, stitch_malloc, stitch_reset};
+    let Some(d) = gpu("gpu_caller_context_is_restored") else {
+        return;
+    };
+    let mut dev: sys::CUdevice = 0;
+    // SAFETY: a valid out-pointer; the driver is initialised.
+    assert_eq!(
+        unsafe { sys::cuDeviceGet(&mut dev, 0) },
+        sys::CUresult::CUDA_SUCCESS
+    );
+    let mut mine: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: a valid out-pointer and device; no creation parameters. The new context is
+    // made current (pushed) on this thread and destroyed at the end of the test.
+    let r = unsafe { sys::cuCtxCreate_v4(&mut mine, std::ptr::null_mut(), 0, dev) };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
+    let a = Allocator::new(d, Config::default().with_capacity(Capacity::Bytes(1 << 30))).unwrap();
+    for want in [mine as usize, 0] {
+        // SAFETY: `mine` is live (destroyed below); null unbinds.
+        assert_eq!(
+            unsafe { sys::cuCtxSetCurrent(want as sys::CUcontext) },
+            sys::CUresult::CUDA_SUCCESS
+        );
+        assert_eq!(current_context(), want);
+        let p = a.alloc(64 * MIB, S).unwrap();
+        assert_eq!(current_context(), want, "after alloc");
+        a.free(p, S).unwrap();
+        assert_eq!(current_context(), want, "after free");
+        a.empty_cache().unwrap();
+        assert_eq!(current_context(), want, "after empty_cache");
+        let s = a.driver().create_stream(true).unwrap();
+        assert!(!a.driver().stream_capturing(s.stream()).unwrap());
+        assert_eq!(
+            current_context(),
+            want,
+            "after create_stream, stream_capturing"
+        );
+        drop(s);
+        assert_eq!(current_context(), want, "after the stream's drop");
+        // The C ABI (default configuration: backend auto, CUDA here), whose reset walks every
+        // device's context.
+        let p = stitch_malloc(MIB as usize, 0, std::ptr::null_mut());
+        assert!(!p.is_null());
+        assert_eq!(current_context(), want, "after stitch_malloc");
+        stitch_free(p, 0, 0, std::ptr::null_mut());
+        stitch_reset();
+        assert_eq!(current_context(), want, "after stitch_free, stitch_reset");
+    }
+    // SAFETY: `mine` was created above and is destroyed once; nothing uses it any more.
+    assert_eq!(
+        unsafe { sys::cuCtxDestroy_v2(mine) },
+        sys::CUresult::CUDA_SUCCESS
+    );
+}
+
+/// Issue #12: `stream_capturing` sees a graph capture on a real stream (and the default
+/// stream never captures).
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-check.sh run)"]
+fn gpu_stream_capturing_sees_a_capture() {
+    use cudarc::driver::sys;
+    let Some(d) = gpu("gpu_stream_capturing_sees_a_capture") else {
+        return;
+    };
+    // Like torch's threads: the primary context current.
+    let (mut dev, mut primary): (sys::CUdevice, sys::CUcontext) = (0, std::ptr::null_mut());
+    // SAFETY: valid out-pointers; the driver is initialised. The retain is balanced by the
+    // release at the end.
+    unsafe {
+        assert_eq!(sys::cuDeviceGet(&mut dev, 0), sys::CUresult::CUDA_SUCCESS);
+        assert_eq!(
+            sys::cuDevicePrimaryCtxRetain(&mut primary, dev),
+            sys::CUresult::CUDA_SUCCESS
+        );
+        assert_eq!(sys::cuCtxSetCurrent(primary), sys::CUresult::CUDA_SUCCESS);
+    }
+    let s = d.create_stream(true).unwrap();
+    let raw = s.stream().raw() as sys::CUstream;
+    assert!(!d.stream_capturing(s.stream()).unwrap());
+    // SAFETY: `raw` is a live stream of the primary context, current on this thread;
+    // relaxed mode lets other calls go on.
+    let r = unsafe {
+        sys::cuStreamBeginCapture_v2(
+            raw,
+            sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
+        )
+    };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
+    assert!(d.stream_capturing(s.stream()).unwrap());
+    assert!(!d.stream_capturing(S).unwrap());
+    let mut graph: sys::CUgraph = std::ptr::null_mut();
+    // SAFETY: ends the capture begun above on the same stream; the (empty) graph is
+    // destroyed once, right after.
+    unsafe {
+        assert_eq!(
+            sys::cuStreamEndCapture(raw, &mut graph),
+            sys::CUresult::CUDA_SUCCESS
+        );
+        assert_eq!(sys::cuGraphDestroy(graph), sys::CUresult::CUDA_SUCCESS);
+    }
+    assert!(!d.stream_capturing(s.stream()).unwrap());
+    drop(s);
+    // SAFETY: balances the retain above.
+    unsafe { sys::cuDevicePrimaryCtxRelease_v2(dev) };
+}

@@ -34,7 +34,20 @@ makes ``torch.cuda.CUDAGraph.capture_begin`` (``torch.cuda.graph``,
 ``torch.cuda.make_graphed_callables``, ``torch.compile(mode="reduce-overhead")``) raise
 :class:`GraphCaptureUnsupported`, and the library itself refuses an allocation on a
 capturing stream (NULL, with the reason in :func:`last_error`) and keeps a block freed
-during a capture out of reuse for the life of the process.
+during a capture out of reuse for the life of the process (``graph_held_bytes`` in
+:func:`stats`).
+
+Memory fraction: ``torch.cuda.set_per_process_memory_fraction`` takes effect only before the
+device's first allocation (the allocator's capacity is fixed when it is created); later it
+raises ``RuntimeError``. The default capacity is the device memory free at that first
+allocation (memory other processes hold is not counted).
+
+Fork: the library touches the CUDA driver only at the first allocation, so :func:`enable`
+alone does not initialise CUDA (``CUDA_VISIBLE_DEVICES`` may still be set, and a forked
+child can use CUDA as it could without stitch-alloc). Once the library has been used, every
+call in a forked child fails with an error naming the fork (the parent's CUDA memory is not
+usable there); torch's allocator in such a child is this library, so allocate in the parent
+or start workers with ``spawn``.
 
 The statistics functions need only ctypes, not torch.
 """
@@ -272,8 +285,32 @@ def enable(path=None, conf=None):
                 f"process (torch: {e})"
             ) from e
         _guard_graph_capture(torch)
+        _guard_memory_fraction(torch, lib)
         _torch_allocator = alloc
         return alloc
+
+
+def _guard_memory_fraction(torch, lib):
+    """Make ``torch.cuda.set_per_process_memory_fraction`` raise when the library refuses the
+    fraction (a device whose allocator exists already: its capacity cannot change), instead
+    of returning as if it had taken effect."""
+    mem = torch.cuda.memory
+    orig = getattr(mem, "set_per_process_memory_fraction", None)
+    if orig is None or getattr(orig, "_stitch_alloc_guarded", False):
+        return
+
+    def set_per_process_memory_fraction(fraction, device=None):
+        lib.stitch_clear_error()
+        orig(fraction, device)
+        err = _err(lib)
+        if err.startswith("stitch_memory_fraction"):
+            raise RuntimeError(f"stitch_alloc: {err}")
+
+    set_per_process_memory_fraction.__doc__ = orig.__doc__
+    set_per_process_memory_fraction._stitch_alloc_guarded = True
+    mem.set_per_process_memory_fraction = set_per_process_memory_fraction
+    if getattr(torch.cuda, "set_per_process_memory_fraction", None) is orig:
+        torch.cuda.set_per_process_memory_fraction = set_per_process_memory_fraction
 
 
 def _guard_graph_capture(torch):

@@ -302,3 +302,119 @@ def test_capture_on_raw_stream_refused_by_library(libpath):
     assert res["raised"] is not None, res
     assert "graph" in res["err"].lower(), res
     assert res["z"] == float(1 << 20)
+
+
+def test_empty_cache_keeps_the_current_device(libpath):
+    """Issue #13, item 1: the reset hook walks every device; it used to leave the thread on
+    the last device's context, so ``current_device()`` changed under the caller."""
+    res = run_torch(
+        libpath,
+        """
+        n = torch.cuda.device_count()
+        xs = [torch.ones(1 << 20, device=f"cuda:{d}") for d in range(n)]
+        seen = []
+        for d in range(n):
+            torch.cuda.set_device(d)
+            y = torch.ones(1 << 20, device="cuda")
+            del y
+            torch.cuda.empty_cache()
+            seen.append(torch.cuda.current_device())
+        torch.cuda.set_device(0)
+        torch.cuda.empty_cache()
+        seen.append(torch.cuda.current_device())
+        print("RESULT", json.dumps({"n": n, "seen": seen}))
+        """,
+    )
+    assert res["seen"] == list(range(res["n"])) + [0], res
+
+
+def test_enable_does_not_initialise_cuda_before_fork(libpath):
+    """Issue #13, item 5: enable() used to run cuInit (configuration read), so a child forked
+    afterwards had a broken CUDA without torch's bad-fork message. Now a child can
+    initialise CUDA exactly as without enable()."""
+    body = """
+        import os
+        pid = os.fork()
+        if pid == 0:
+            try:
+                torch.cuda.init()
+                ok = torch.cuda.get_device_name(0) != ""
+                os._exit(0 if ok else 3)
+            except BaseException:
+                os._exit(4)
+        _, status = os.waitpid(pid, 0)
+        print("RESULT", json.dumps({"status": status}))
+        """
+    res = run_torch(libpath, body)
+    assert res["status"] == 0, res
+
+
+def test_library_fails_cleanly_in_a_forked_child(libpath):
+    """Issue #13, item 6: after the parent allocated, every library call in a forked child
+    fails at once with an error naming the fork (no hang on a lock, no use of the
+    parent's CUDA memory)."""
+    res = run_torch(
+        libpath,
+        """
+        import os, signal
+        x = torch.ones(1 << 20, device="cuda")
+        lib = stitch_alloc.load_library()
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(20)
+            p = lib.stitch_malloc(1 << 20, 0, None)
+            e1 = stitch_alloc.last_error()
+            s = lib.stitch_stats_json(0)
+            e2 = stitch_alloc.last_error()
+            os.write(w, json.dumps({"p": p, "e1": e1, "s": s is None, "e2": e2}).encode())
+            os._exit(0)
+        os.close(w)
+        _, status = os.waitpid(pid, 0)
+        child = json.loads(os.read(r, 65536).decode() or "{}")
+        print("RESULT", json.dumps({"status": status, "child": child,
+              "parent_ok": float(x.sum().item())}))
+        """,
+    )
+    assert res["status"] == 0, res
+    c = res["child"]
+    assert c["p"] is None and c["s"], res
+    assert "forked child" in c["e1"] and "forked child" in c["e2"], res
+    assert res["parent_ok"] == float(1 << 20)
+
+
+def test_late_memory_fraction_raises(libpath):
+    """Issue #13, item 11: a memory fraction set after the device's first allocation cannot
+    change its capacity; it used to be ignored silently, it now raises."""
+    res = run_torch(
+        libpath,
+        """
+        x = torch.ones(1 << 20, device="cuda")
+        cap = stitch_alloc.memory_stats(0)["capacity"]
+        err = None
+        try:
+            torch.cuda.set_per_process_memory_fraction(0.1, 0)
+        except RuntimeError as e:
+            err = str(e)
+        print("RESULT", json.dumps({"err": err,
+              "same": stitch_alloc.memory_stats(0)["capacity"] == cap}))
+        """,
+    )
+    assert res["err"] is not None and "already has its allocator" in res["err"], res
+    assert res["same"]
+
+
+def test_default_capacity_is_the_free_memory(libpath):
+    """Issue #13, item 11: the default capacity counts only memory free at the first
+    allocation (torch's context and other processes hold the rest)."""
+    res = run_torch(
+        libpath,
+        """
+        free, total = torch.cuda.mem_get_info(0)
+        x = torch.ones(1 << 20, device="cuda")
+        print("RESULT", json.dumps({"free": free, "total": total,
+              "capacity": stitch_alloc.memory_stats(0)["capacity"]}))
+        """,
+    )
+    assert res["capacity"] <= res["free"], res
+    assert res["capacity"] < res["total"], res

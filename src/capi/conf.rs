@@ -7,6 +7,7 @@ use crate::config::{
     de_opt_number, de_opt_parsed, de_opt_size, de_parsed, field_names, from_pairs, split_pairs,
     MAX_BYTES,
 };
+use crate::driver::MemInfo;
 use crate::{AllocError, Backend, Capacity, Config};
 use serde::{Deserialize, Deserializer, Serialize};
 use std::str::FromStr;
@@ -163,9 +164,19 @@ impl Conf {
         Ok(Conf { abi, alloc })
     }
 
-    /// The allocator configuration for a device of `total` bytes, with a memory fraction set
-    /// through `stitch_memory_fraction` (if any) as a further limit.
-    pub fn allocator_config(&self, total: u64, fraction: Option<f64>) -> Config {
+    /// The allocator configuration for a device whose memory the driver reports as `mem`
+    /// when its allocator is created, with a memory fraction set through
+    /// `stitch_memory_fraction` (if any) as a further limit.
+    ///
+    /// The capacity is what the configuration asks for (`capacity_bytes`, or
+    /// `capacity_fraction` of the total, or the whole total), lowered by the fraction, and
+    /// never more than the memory free at creation (issue #13, item 11): memory that another
+    /// process, or this process's CUDA context and other allocations, already holds cannot be
+    /// handed out, and counting it would only move the out-of-memory error from this
+    /// allocator's diagnosis to a failed `cuMemCreate`. Memory freed by others later is not
+    /// added. On host and sim the whole device is free at creation, so nothing changes there.
+    pub fn allocator_config(&self, mem: MemInfo, fraction: Option<f64>) -> Config {
+        let total = mem.total;
         let mut cap = match (self.abi.capacity_bytes, self.abi.capacity_fraction) {
             (Some(b), _) => b,
             (None, Some(f)) => (total as f64 * f) as u64,
@@ -174,6 +185,7 @@ impl Conf {
         if let Some(f) = fraction {
             cap = cap.min((total as f64 * f) as u64);
         }
+        cap = cap.min(mem.free);
         self.alloc.clone().with_capacity(Capacity::Bytes(cap))
     }
 }
@@ -282,26 +294,56 @@ mod tests {
         );
     }
 
+    /// All of `total` free.
+    fn idle(total: u64) -> MemInfo {
+        MemInfo { free: total, total }
+    }
+
     #[test]
     fn config_maps_onto_allocator_config() {
         let c = Conf::parse("capacity_fraction:0.5,max_handle:64MiB,stitching:false").unwrap();
-        let cfg = c.allocator_config(1000 * MIB, None);
+        let cfg = c.allocator_config(idle(1000 * MIB), None);
         assert_eq!(cfg.capacity, Capacity::Bytes(500 * MIB));
         assert_eq!(cfg.max_handle, 64 * MIB);
         assert!(!cfg.stitching);
         // A memory fraction only lowers the capacity.
         assert_eq!(
-            c.allocator_config(1000 * MIB, Some(0.25)).capacity,
+            c.allocator_config(idle(1000 * MIB), Some(0.25)).capacity,
             Capacity::Bytes(250 * MIB)
         );
         assert_eq!(
-            c.allocator_config(1000 * MIB, Some(0.75)).capacity,
+            c.allocator_config(idle(1000 * MIB), Some(0.75)).capacity,
             Capacity::Bytes(500 * MIB)
         );
-        let d = Conf::default().allocator_config(1000 * MIB, None);
+        let d = Conf::default().allocator_config(idle(1000 * MIB), None);
         assert_eq!(
             d,
             Config::default().with_capacity(Capacity::Bytes(1000 * MIB))
         );
+    }
+
+    #[test]
+    fn capacity_never_counts_memory_held_by_others() {
+        // Another process holds 600 of 1000 MiB: the default capacity is what is free.
+        let busy = MemInfo {
+            free: 400 * MIB,
+            total: 1000 * MIB,
+        };
+        let cap = |c: &str, f| Conf::parse(c).unwrap().allocator_config(busy, f).capacity;
+        assert_eq!(cap("", None), Capacity::Bytes(400 * MIB));
+        assert_eq!(
+            cap("capacity_fraction:0.9", None),
+            Capacity::Bytes(400 * MIB)
+        );
+        assert_eq!(
+            cap("capacity_bytes:800MiB", None),
+            Capacity::Bytes(400 * MIB)
+        );
+        // Limits below the free memory are kept.
+        assert_eq!(
+            cap("capacity_fraction:0.25", None),
+            Capacity::Bytes(250 * MIB)
+        );
+        assert_eq!(cap("", Some(0.1)), Capacity::Bytes(100 * MIB));
     }
 }

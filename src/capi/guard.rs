@@ -57,11 +57,18 @@ pub(super) fn report(level: tracing::Level, msg: &str) {
         tracing::Level::INFO => tracing::info!("{msg}"),
         _ => tracing::debug!("{msg}"),
     }
+    set_last_error(msg);
+}
+
+/// Keep `msg` as this thread's last error, without logging it (no lock is taken: usable in
+/// a forked child).
+pub(super) fn set_last_error(msg: &str) {
     let c = to_cstring(msg);
     let _ = LAST_ERROR.try_with(|e| *e.borrow_mut() = c);
 }
 
-fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+/// The message of a caught panic.
+pub(super) fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
     if let Some(s) = p.downcast_ref::<&str>() {
         (*s).to_string()
     } else if let Some(s) = p.downcast_ref::<String>() {
@@ -95,12 +102,18 @@ pub(super) fn describe(e: &AllocError) -> String {
     }
 }
 
+/// The thread's last error, as a string (unit tests).
+#[cfg(test)]
+pub(super) fn last_error() -> String {
+    LAST_ERROR.with(|e| e.borrow().to_string_lossy().into_owned())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn last() -> String {
-        LAST_ERROR.with(|e| e.borrow().to_string_lossy().into_owned())
+        last_error()
     }
 
     #[test]

@@ -12,7 +12,13 @@
 //!   returns NULL and [`stitch_last_error`] says why.
 //! * `runtime`: one [`Allocator`](crate::Allocator) per device, created on the device's first
 //!   use, kept in a process-wide table for the life of the process (it is never dropped: the
-//!   process's exit returns the memory).
+//!   process's exit returns the memory). No driver is touched before the first allocation
+//!   (no `cuInit` at configuration read). A panic caught inside a device's allocator
+//!   disables that device: every later call on it fails, naming the panic.
+//! * `calls`: the bodies of the exports, on a given runtime.
+//! * `capture`: CUDA graph capture is refused (an allocation on a capturing stream returns
+//!   NULL; a block freed on one stays held for the life of the process).
+//! * `fork`: in a child forked after the runtime was created, every call fails at once.
 //! * `stats`: the document of [`stitch_stats_json`], one typed struct per object.
 //! * `guard`: nothing crosses the boundary as a panic: every export runs under
 //!   `catch_unwind`. A failure (a NULL from [`stitch_malloc`], an invalid pointer given to
@@ -23,20 +29,22 @@
 //!
 //! No function here has a safety precondition (none reads through a pointer it is given), so
 //! this module holds no `unsafe` code; `#[no_mangle]` is the only reason it is not under
-//! `forbid(unsafe_code)` (its submodules are).
+//! `forbid(unsafe_code)` (its submodules are, but `fork`, whose `pthread_atfork` and
+//! `write(2)` are `unsafe` calls).
 
+mod calls;
+mod capture;
 mod conf;
+mod fork;
 mod guard;
 mod runtime;
 mod stats;
 
-use self::conf::OnOom;
-use self::guard::{describe, first_time, guard, report, to_cstring};
-use self::runtime::runtime;
-use crate::{AllocError, DevicePtr, Stream};
+use self::guard::{guard, to_cstring};
+use self::runtime::{runtime, Runtime};
+use crate::Stream;
 use std::cell::RefCell;
 use std::ffi::{c_char, c_double, c_int, c_void, CStr, CString};
-use std::sync::atomic::Ordering;
 
 /// The environment variable read for the configuration.
 pub const CONF_ENV: &str = "STITCH_ALLOC_CONF";
@@ -96,50 +104,41 @@ fn u64_to_ptr(a: u64) -> *mut c_void {
 }
 
 // ---------------------------------------------------------------------------------------
+
+/// Run `f` on the process's runtime under [`guard`]; in a forked child, fail with
+/// [`fork::FORKED`] instead, before touching the runtime or any lock.
+fn on_runtime<T>(func: &'static str, fallback: T, f: impl FnOnce(&'static Runtime) -> T) -> T
+where
+    T: Copy,
+{
+    guard(func, fallback, || {
+        if fork::in_child() {
+            fork::say_once();
+            guard::set_last_error(&format!("{func}: {}", fork::FORKED));
+            return fallback;
+        }
+        f(runtime())
+    })
+}
+
+// ---------------------------------------------------------------------------------------
 // The exports.
 /// Allocate `size` bytes on `device` for use on `stream` (a `cudaStream_t`, NULL for the
 /// default stream). The `CUDAPluggableAllocator` allocation function.
 ///
-/// Returns NULL on failure (zero size, too large, out of memory, device out of range, invalid
-/// configuration); [`stitch_last_error`] says why. With `on_oom:abort` in the configuration,
-/// running out of memory prints the diagnosis and aborts the process instead.
+/// Returns NULL on failure (too large, out of memory, device out of range, invalid
+/// configuration, a stream capturing a CUDA graph, a forked child, a device disabled by an
+/// internal error); [`stitch_last_error`] says why. A zero-size request returns NULL
+/// without touching the last error. With `on_oom:abort` in the configuration, running out
+/// of memory prints the diagnosis and aborts the process instead.
 ///
 /// Torch 2.11 does not check this pointer: after a NULL, `torch.empty` succeeds with an
 /// unallocated storage and the tensor's first use raises `RuntimeError` ("... its data is
 /// not allocated yet"), not `torch.cuda.OutOfMemoryError`.
 #[no_mangle]
 pub extern "C" fn stitch_malloc(size: usize, device: c_int, stream: *mut c_void) -> *mut c_void {
-    guard("stitch_malloc", std::ptr::null_mut(), || {
-        let fail = |level, m: &str| {
-            report(
-                level,
-                &format!("stitch_malloc(size={size}, device={device}): {m}"),
-            );
-            std::ptr::null_mut()
-        };
-        let rt = runtime();
-        let a = match rt.allocator(device) {
-            Ok(a) => a,
-            Err(m) => return fail(first_time(&m), &m),
-        };
-        match a.alloc(size as u64, torch_stream(stream)) {
-            Ok(p) => u64_to_ptr(p.addr()),
-            // Torch asks for zero bytes for every empty tensor: not worth a warning.
-            Err(AllocError::ZeroSize) => fail(tracing::Level::DEBUG, "zero-size allocation"),
-            Err(e) => {
-                let oom = matches!(e, AllocError::OutOfMemory(_) | AllocError::TooLarge { .. });
-                let abort = oom && rt.ready().is_ok_and(|r| r.conf.abi.on_oom == OnOom::Abort);
-                if abort {
-                    eprintln!(
-                        "stitch-alloc: stitch_malloc(size={size}, device={device}): {}; \
-                         aborting (on_oom:abort)",
-                        describe(&e)
-                    );
-                    std::process::abort();
-                }
-                fail(tracing::Level::WARN, &describe(&e))
-            }
-        }
+    on_runtime("stitch_malloc", std::ptr::null_mut(), |rt| {
+        u64_to_ptr(calls::malloc(rt, size, device, torch_stream(stream)))
     })
 }
 
@@ -149,123 +148,48 @@ pub extern "C" fn stitch_malloc(size: usize, device: c_int, stream: *mut c_void)
 ///
 /// NULL, a pointer this library never returned, a pointer inside an allocation, a pointer
 /// freed already, or one of another device: nothing is freed, the error is logged and kept
-/// for [`stitch_last_error`].
+/// for [`stitch_last_error`]. On a stream capturing a CUDA graph the block is not returned
+/// to the pool (the graph may use it on replay): it stays held until the process ends.
 #[no_mangle]
 pub extern "C" fn stitch_free(ptr: *mut c_void, size: usize, device: c_int, stream: *mut c_void) {
-    guard("stitch_free", (), || {
-        let addr = ptr_to_u64(ptr);
-        let report_at = |level, m: &str| {
-            report(
-                level,
-                &format!("stitch_free(ptr={addr:#x}, size={size}, device={device}): {m}"),
-            )
-        };
-        let fail = |m: &str| report_at(tracing::Level::WARN, m);
-        if ptr.is_null() {
-            return fail("null pointer");
-        }
-        let rt = runtime();
-        let a = match rt.allocator(device) {
-            Ok(a) => a,
-            Err(m) => return report_at(first_time(&m), &m),
-        };
-        if size != 0 {
-            if let Some(usable) = a.usable_size(DevicePtr(addr)) {
-                if size as u64 > usable {
-                    fail(&format!(
-                        "size {size} exceeds the allocation's {usable} bytes (freed anyway)"
-                    ));
-                }
-            }
-        }
-        match a.free(DevicePtr(addr), torch_stream(stream)) {
-            Ok(()) => {}
-            Err(e @ AllocError::InvalidPointer { .. }) => match rt.owner_of(addr) {
-                Some(other) => fail(&format!(
-                    "the pointer belongs to device {other}, not {device}; not freed"
-                )),
-                None => fail(&describe(&e)),
-            },
-            Err(e) => fail(&describe(&e)),
-        }
+    on_runtime("stitch_free", (), |rt| {
+        calls::free(rt, ptr_to_u64(ptr), size, device, torch_stream(stream))
     })
 }
 
 /// Torch's init hook: called once CUDA is initialised, with the number of devices. Reads the
-/// configuration (reporting an invalid one at once). Allocators are still created lazily.
+/// configuration (reporting an invalid one at once). Allocators are still created lazily,
+/// and no driver is touched before the first allocation.
 #[no_mangle]
 pub extern "C" fn stitch_init(device_count: c_int) {
-    guard("stitch_init", (), || {
-        let rt = runtime();
-        rt.init_count.store(device_count, Ordering::Relaxed);
-        match rt.ready() {
-            Ok(r) => tracing::debug!(
-                device_count,
-                backend = r.backend.name(),
-                served = rt.devices(),
-                "stitch_init"
-            ),
-            // Already printed to stderr when the configuration was read.
-            Err(e) => report(tracing::Level::DEBUG, &format!("stitch_init: {e}")),
-        }
-    })
+    on_runtime("stitch_init", (), |rt| calls::init(rt, device_count))
 }
 
 /// Torch's reset hook (`torch.cuda.empty_cache()`): release the physical memory of free
 /// handles on every device back to the driver.
 #[no_mangle]
 pub extern "C" fn stitch_reset() {
-    guard("stitch_reset", (), || {
-        let rt = runtime();
-        for d in 0..rt.devices() {
-            if let Some(a) = rt.existing(d) {
-                if let Err(e) = a.empty_cache() {
-                    report(
-                        tracing::Level::WARN,
-                        &format!("stitch_reset: device {d}: {e}"),
-                    );
-                }
-            }
-        }
-    })
+    on_runtime("stitch_reset", (), calls::reset)
 }
 
 /// Release the physical memory of free handles on `device`. Returns 0, or -1 on error
 /// ([`stitch_last_error`]). A device not used yet has nothing to release (0).
 #[no_mangle]
 pub extern "C" fn stitch_empty_cache(device: c_int) -> c_int {
-    guard("stitch_empty_cache", -1, || {
-        let rt = runtime();
-        let fail = |m: &str| {
-            report(
-                tracing::Level::WARN,
-                &format!("stitch_empty_cache(device={device}): {m}"),
-            );
-            -1
-        };
-        if let Err(m) = rt.check_device(device) {
-            return fail(&m);
-        }
-        match rt.existing(device as usize).map(|a| a.empty_cache()) {
-            None | Some(Ok(_)) => 0,
-            Some(Err(e)) => fail(&e.to_string()),
-        }
+    on_runtime("stitch_empty_cache", -1, |rt| {
+        calls::empty_cache(rt, device)
     })
 }
 
 /// Torch's memory-fraction hook (`torch.cuda.set_per_process_memory_fraction`): limit
 /// `device` to `fraction` of its memory (and to any capacity in the configuration). Takes
-/// effect only before the device's first allocation; later, the call is reported as an
-/// error and changes nothing.
+/// effect only before the device's first allocation; later, the call is refused loudly
+/// (logged as an error and kept as the last error; the Python package raises) and changes
+/// nothing.
 #[no_mangle]
 pub extern "C" fn stitch_memory_fraction(fraction: c_double, device: c_int) {
-    guard("stitch_memory_fraction", (), || {
-        if let Err(m) = runtime().set_fraction(fraction, device) {
-            report(
-                tracing::Level::WARN,
-                &format!("stitch_memory_fraction(fraction={fraction}, device={device}): {m}"),
-            );
-        }
+    on_runtime("stitch_memory_fraction", (), |rt| {
+        calls::memory_fraction(rt, fraction, device)
     })
 }
 
@@ -273,23 +197,8 @@ pub extern "C" fn stitch_memory_fraction(fraction: c_double, device: c_int) {
 /// used on `stream`, so its free waits for that stream's queued work too.
 #[no_mangle]
 pub extern "C" fn stitch_record_stream(ptr: *mut c_void, stream: *mut c_void) {
-    guard("stitch_record_stream", (), || {
-        let addr = ptr_to_u64(ptr);
-        let report_at =
-            |level, m: &str| report(level, &format!("stitch_record_stream(ptr={addr:#x}): {m}"));
-        let fail = |m: &str| report_at(tracing::Level::WARN, m);
-        let rt = runtime();
-        if let Err(m) = rt.ready() {
-            return report_at(first_time(&m), &m);
-        }
-        let Some(d) = rt.owner_of(addr) else {
-            return fail("not a live allocation of this library");
-        };
-        if let Some(a) = rt.existing(d) {
-            if let Err(e) = a.record_stream(DevicePtr(addr), torch_stream(stream)) {
-                fail(&describe(&e));
-            }
-        }
+    on_runtime("stitch_record_stream", (), |rt| {
+        calls::record_stream(rt, ptr_to_u64(ptr), torch_stream(stream))
     })
 }
 
@@ -298,25 +207,17 @@ pub extern "C" fn stitch_record_stream(ptr: *mut c_void, stream: *mut c_void) {
 /// next `stitch_stats_json` call on the same thread. Do not free it.
 #[no_mangle]
 pub extern "C" fn stitch_stats_json(device: c_int) -> *const c_char {
-    guard("stitch_stats_json", std::ptr::null(), || {
-        match runtime().stats_json(device) {
-            Ok(s) => {
-                let c = to_cstring(&s);
-                STATS_BUF
-                    .try_with(|b| {
-                        *b.borrow_mut() = c;
-                        b.borrow().as_ptr()
-                    })
-                    .unwrap_or(std::ptr::null())
-            }
-            Err(m) => {
-                report(
-                    tracing::Level::WARN,
-                    &format!("stitch_stats_json(device={device}): {m}"),
-                );
-                std::ptr::null()
-            }
-        }
+    on_runtime("stitch_stats_json", std::ptr::null(), |rt| {
+        let Some(s) = calls::stats_json(rt, device) else {
+            return std::ptr::null();
+        };
+        let c = to_cstring(&s);
+        STATS_BUF
+            .try_with(|b| {
+                *b.borrow_mut() = c;
+                b.borrow().as_ptr()
+            })
+            .unwrap_or(std::ptr::null())
     })
 }
 

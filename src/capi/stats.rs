@@ -17,7 +17,8 @@ pub(super) struct StatsDoc<'a> {
     pub version: &'static str,
     /// The device asked about.
     pub device: i32,
-    /// The backend serving it (never `auto`).
+    /// The backend serving it; before the first allocation resolves it, the configured one
+    /// (`auto` or `cuda`: resolving it would initialise the CUDA driver).
     pub backend: Backend,
     /// Whether the device's allocator exists (its first allocation happened).
     pub initialized: bool,
@@ -43,6 +44,10 @@ pub(super) struct StatsDoc<'a> {
     pub stats: Stats,
     /// [`DetailedStats`] without its `stats` (given above).
     pub fragmentation: Map<String, Value>,
+    /// Bytes of blocks freed during a CUDA graph capture, kept allocated (out of the pool)
+    /// for the life of the process because the graph may use them on replay (counted in
+    /// `torch.allocated_bytes.all.current` too).
+    pub graph_held_bytes: u64,
 }
 
 impl<'a> StatsDoc<'a> {
@@ -53,6 +58,7 @@ impl<'a> StatsDoc<'a> {
         init_device_count: i32,
         conf: &'a str,
         a: Option<&Alloc>,
+        graph_held_bytes: u64,
     ) -> Result<Self, String> {
         let detailed = a.map(|a| a.detailed_stats()).unwrap_or_default();
         let stats = detailed.stats;
@@ -89,6 +95,7 @@ impl<'a> StatsDoc<'a> {
             torch: TorchStats::new(&stats, &detailed),
             stats,
             fragmentation,
+            graph_held_bytes,
         })
     }
 

@@ -60,6 +60,7 @@ const SYMBOLS: &[&str] = &[
     "cuEventQuery",
     "cuEventSynchronize",
     "cuEventDestroy_v2",
+    "cuStreamIsCapturing",
 ];
 
 /// Streams ([`CudaDriver::create_stream`] and the synchronisations).
@@ -314,6 +315,31 @@ impl std::fmt::Debug for CudaDriver {
     }
 }
 
+/// The guard of [`CudaDriver::bind`]: makes the caller's context current again when dropped.
+#[must_use = "the primary context stays current only while the guard lives"]
+pub(super) struct Bound {
+    /// The context that was current on this thread before `bind` made the primary one current
+    /// (a `CUcontext`, 0 for none); `None` when the primary context was current already.
+    restore: Option<usize>,
+}
+
+impl Drop for Bound {
+    fn drop(&mut self) {
+        let Some(prev) = self.restore else { return };
+        // SAFETY: `prev` was this thread's current context when `bind` ran, a moment ago on
+        // the same thread (or none: null unbinds); the caller keeps the context it made
+        // current alive while it calls into the driver.
+        let r = unsafe { sys::cuCtxSetCurrent(prev as sys::CUcontext) };
+        if let Err(e) = check(
+            DriverOp::MemInfo,
+            "cuCtxSetCurrent (restoring the caller's)",
+            r,
+        ) {
+            tracing::warn!(%e, "restoring the caller's CUDA context failed");
+        }
+    }
+}
+
 impl CudaDriver {
     /// Whether a CUDA device can be used: libcuda loads, exports every call this backend
     /// needs, `cuInit` succeeds and at least one device exists.
@@ -479,7 +505,7 @@ impl CudaDriver {
             driver_version: info.driver_version,
             device_name,
         };
-        drv.bind(DriverOp::MemInfo)?;
+        let ctx = drv.bind(DriverOp::MemInfo)?;
         let prop = drv.prop();
         let mut g: usize = 0;
         // SAFETY: `prop` is a fully initialised allocation property; valid out-pointer.
@@ -497,6 +523,7 @@ impl CudaDriver {
             ));
         }
         drv.granularity = g as u64;
+        drop(ctx);
         tracing::info!(
             ordinal = device_ordinal,
             device = %drv.device_name,
@@ -568,21 +595,28 @@ impl CudaDriver {
         }
     }
 
-    /// Make the primary context current on this thread, unless it already is.
-    fn bind(&self, op: DriverOp) -> DriverResult<()> {
+    /// Make the primary context current on this thread, unless it already is, until the
+    /// returned guard drops: then the caller's context (whatever it was, none included) is
+    /// current again. No entry point leaves the calling thread on another context than it
+    /// found (a caller on the primary context, as torch's threads are, pays one
+    /// `cuCtxGetCurrent`; one on another context two `cuCtxSetCurrent` more).
+    fn bind(&self, op: DriverOp) -> DriverResult<Bound> {
         let mut cur: sys::CUcontext = std::ptr::null_mut();
         // SAFETY: valid out-pointer; `lib()` succeeded when `self` was built.
         check(op, "cuCtxGetCurrent", unsafe {
             sys::cuCtxGetCurrent(&mut cur)
         })?;
-        if cur as usize != self.ctx {
-            // SAFETY: `self.ctx` is the primary context retained in `with_peers` and held
-            // until `Drop`.
-            check(op, "cuCtxSetCurrent", unsafe {
-                sys::cuCtxSetCurrent(self.ctx as sys::CUcontext)
-            })?;
+        if cur as usize == self.ctx {
+            return Ok(Bound { restore: None });
         }
-        Ok(())
+        // SAFETY: `self.ctx` is the primary context retained in `with_peers` and held
+        // until `Drop`.
+        check(op, "cuCtxSetCurrent", unsafe {
+            sys::cuCtxSetCurrent(self.ctx as sys::CUcontext)
+        })?;
+        Ok(Bound {
+            restore: Some(cur as usize),
+        })
     }
 
     /// Refuse a handle this driver does not hold (never created here, or released): it is
@@ -660,16 +694,22 @@ impl CudaStream {
 
 impl Drop for CudaStream {
     fn drop(&mut self) {
+        let mut prev: sys::CUcontext = std::ptr::null_mut();
         // SAFETY: `ctx` is the primary context this stream retained in `create_stream` and
         // still holds; `raw` is a stream of that context, destroyed exactly once here (work
         // still queued on it completes first: the driver defers the release). The release
-        // balances the retain in `create_stream`.
+        // balances the retain in `create_stream`. The caller's context (`prev`, read first)
+        // is made current again afterwards.
         unsafe {
-            if sys::cuCtxSetCurrent(self.ctx as sys::CUcontext) == sys::CUresult::CUDA_SUCCESS {
+            let got = sys::cuCtxGetCurrent(&mut prev) == sys::CUresult::CUDA_SUCCESS;
+            if got
+                && sys::cuCtxSetCurrent(self.ctx as sys::CUcontext) == sys::CUresult::CUDA_SUCCESS
+            {
                 let r = sys::cuStreamDestroy_v2(self.raw as sys::CUstream);
                 if let Err(e) = check(DriverOp::MemInfo, "cuStreamDestroy", r) {
                     tracing::warn!(%e, "destroying a stream failed");
                 }
+                let _ = sys::cuCtxSetCurrent(prev);
             }
             let _ = sys::cuDevicePrimaryCtxRelease_v2(self.device);
         }
@@ -708,7 +748,7 @@ impl CudaDriver {
     pub fn create_stream(&self, non_blocking: bool) -> DriverResult<CudaStream> {
         let op = DriverOp::MemInfo;
         STREAM_SYMBOLS.require(op)?;
-        self.bind(op)?;
+        let _ctx = self.bind(op)?;
         let mut ctx: sys::CUcontext = std::ptr::null_mut();
         // SAFETY: valid out-pointer and device handle; the retain is balanced by the release
         // in `CudaStream::drop`, or below on failure.
@@ -740,7 +780,7 @@ impl CudaDriver {
     pub fn stream_synchronize(&self, stream: Stream) -> DriverResult<()> {
         let op = DriverOp::WaitEvent;
         STREAM_SYMBOLS.require(op)?;
-        self.bind(op)?;
+        let _ctx = self.bind(op)?;
         let s = cu_stream(op, stream)?;
         // SAFETY: `s` is 0 or a real stream of this context (see `cu_stream`).
         check(op, "cuStreamSynchronize", unsafe {
@@ -753,7 +793,7 @@ impl CudaDriver {
     pub fn synchronize(&self) -> DriverResult<()> {
         let op = DriverOp::WaitEvent;
         STREAM_SYMBOLS.require(op)?;
-        self.bind(op)?;
+        let _ctx = self.bind(op)?;
         // SAFETY: no arguments; the context is current.
         check(op, "cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
     }
@@ -828,7 +868,7 @@ impl Driver for CudaDriver {
     }
 
     fn mem_info(&self) -> DriverResult<MemInfo> {
-        self.bind(DriverOp::MemInfo)?;
+        let _ctx = self.bind(DriverOp::MemInfo)?;
         let (mut free, mut total) = (0usize, 0usize);
         // SAFETY: valid out-pointers; the context is current.
         check(DriverOp::MemInfo, "cuMemGetInfo", unsafe {
@@ -842,7 +882,7 @@ impl Driver for CudaDriver {
 
     fn reserve(&self, size: u64) -> DriverResult<DevAddr> {
         let op = DriverOp::Reserve;
-        self.bind(op)?;
+        let _ctx = self.bind(op)?;
         let mut ptr: sys::CUdeviceptr = 0;
         // SAFETY: valid out-pointer; alignment is the granularity (a power of two); no fixed
         // address is requested (0) and flags must be 0.
@@ -861,7 +901,7 @@ impl Driver for CudaDriver {
 
     fn free_reservation(&self, base: DevAddr, size: u64) -> DriverResult<()> {
         let op = DriverOp::FreeReservation;
-        self.bind(op)?;
+        let _ctx = self.bind(op)?;
         // SAFETY: only touches address space; the driver rejects a range that is not a whole
         // earlier reservation.
         check(op, "cuMemAddressFree", unsafe {
@@ -873,7 +913,7 @@ impl Driver for CudaDriver {
 
     fn create(&self, size: u64) -> DriverResult<PhysHandle> {
         let op = DriverOp::Create;
-        self.bind(op)?;
+        let _ctx = self.bind(op)?;
         let prop = self.prop();
         let mut h: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: valid out-pointer and a fully initialised property; flags must be 0.
@@ -886,7 +926,7 @@ impl Driver for CudaDriver {
 
     fn release(&self, handle: PhysHandle) -> DriverResult<()> {
         let op = DriverOp::Release;
-        self.bind(op)?;
+        let _ctx = self.bind(op)?;
         self.check_handle(op, handle)?;
         // SAFETY: `check_handle` found the handle created by this driver and not released.
         check(op, "cuMemRelease", unsafe {
@@ -899,7 +939,7 @@ impl Driver for CudaDriver {
     fn map(&self, addr: DevAddr, size: u64, handle: PhysHandle) -> DriverResult<()> {
         let op = DriverOp::Map;
         self.check_handle(op, handle)?;
-        self.bind(op)?;
+        let _ctx = self.bind(op)?;
         // SAFETY: maps into reserved address space only; the driver rejects ranges outside a
         // reservation or overlapping a mapping. Offset and flags must be 0.
         check(op, "cuMemMap", unsafe {
@@ -911,7 +951,7 @@ impl Driver for CudaDriver {
 
     fn unmap(&self, addr: DevAddr, size: u64) -> DriverResult<()> {
         let op = DriverOp::Unmap;
-        self.bind(op)?;
+        let _ctx = self.bind(op)?;
         // SAFETY: unmapping only invalidates device addresses; the allocator fences in-flight
         // work with events before it unmaps (no VMM call waits for the GPU).
         check(op, "cuMemUnmap", unsafe {
@@ -923,7 +963,7 @@ impl Driver for CudaDriver {
 
     fn set_access(&self, addr: DevAddr, size: u64) -> DriverResult<()> {
         let op = DriverOp::SetAccess;
-        self.bind(op)?;
+        let _ctx = self.bind(op)?;
         // SAFETY: `access` holds `len` initialised descriptors; the driver validates the range.
         check(op, "cuMemSetAccess", unsafe {
             sys::cuMemSetAccess(
@@ -938,7 +978,7 @@ impl Driver for CudaDriver {
     fn record_event(&self, stream: Stream) -> DriverResult<EventId> {
         let op = DriverOp::RecordEvent;
         let cu_stream = cu_stream(op, stream)?;
-        self.bind(op)?;
+        let _ctx = self.bind(op)?;
         let ev = self.new_event()?;
         // SAFETY: `ev` is a live event of this context (new or spare, not handed out);
         // `cu_stream` is 0 (the legacy default stream) or a stream of this context: a
@@ -956,7 +996,7 @@ impl Driver for CudaDriver {
     fn query_event(&self, event: EventId) -> DriverResult<bool> {
         let op = DriverOp::QueryEvent;
         self.check_event(op, event)?;
-        self.bind(op)?;
+        let _ctx = self.bind(op)?;
         // SAFETY: `check_event` found the event handed out by `record_event` and not
         // destroyed, so it is a live event of this context.
         let r = unsafe { sys::cuEventQuery(event.raw() as sys::CUevent) };
@@ -970,7 +1010,7 @@ impl Driver for CudaDriver {
     fn wait_event(&self, event: EventId) -> DriverResult<()> {
         let op = DriverOp::WaitEvent;
         self.check_event(op, event)?;
-        self.bind(op)?;
+        let _ctx = self.bind(op)?;
         // SAFETY: as in `query_event`.
         check(op, "cuEventSynchronize", unsafe {
             sys::cuEventSynchronize(event.raw() as sys::CUevent)
@@ -984,7 +1024,7 @@ impl Driver for CudaDriver {
             Some(Retired::Pooled) => return Ok(()),
             Some(Retired::Destroy) => {}
         }
-        self.bind(op)?;
+        let _ctx = self.bind(op)?;
         // SAFETY: the pool found the event handed out and not destroyed, and took it out of
         // the live set without keeping it as a spare: it is destroyed exactly once, here.
         check(op, "cuEventDestroy", unsafe {
@@ -998,7 +1038,7 @@ impl Driver for CudaDriver {
         }
         let op = DriverOp::Copy;
         COPY_SYMBOLS.require(op)?;
-        self.bind(op)?;
+        let _ctx = self.bind(op)?;
         // SAFETY: `data` is a live host buffer of `len` bytes; the driver checks that the
         // device range is mapped and accessible.
         check(op, "cuMemcpyHtoD", unsafe {
@@ -1016,12 +1056,51 @@ impl Driver for CudaDriver {
         }
         let op = DriverOp::Copy;
         COPY_SYMBOLS.require(op)?;
-        self.bind(op)?;
+        let _ctx = self.bind(op)?;
         // SAFETY: `buf` is a live, writable host buffer of `len` bytes; the copy to pageable
         // memory is synchronous, so it is complete when the call returns.
         check(op, "cuMemcpyDtoH", unsafe {
             sys::cuMemcpyDtoH_v2(buf.as_mut_ptr() as *mut c_void, addr, buf.len())
         })
+    }
+
+    fn stream_capturing(&self, stream: Stream) -> DriverResult<bool> {
+        // The legacy default stream (0, or `CU_STREAM_LEGACY`) cannot capture: torch's
+        // default stream costs no driver call.
+        if stream.raw() <= 1 {
+            return Ok(false);
+        }
+        let op = DriverOp::RecordEvent;
+        let s = cu_stream(op, stream)?;
+        let query = || {
+            let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+            // SAFETY: valid out-pointer; `s` is a real stream of this device's primary
+            // context (see `cu_stream`) or `CU_STREAM_PER_THREAD`, resolved through the
+            // current context.
+            let r = unsafe { sys::cuStreamIsCapturing(s, &mut status) };
+            (r, status)
+        };
+        // An explicit stream names its context; the per-thread default stream (2) is the
+        // current context's, and a caller on another context is retried bound.
+        let (mut r, mut status) = if stream.raw() == 2 {
+            let _ctx = self.bind(op)?;
+            query()
+        } else {
+            query()
+        };
+        if r == sys::CUresult::CUDA_ERROR_INVALID_CONTEXT {
+            let _ctx = self.bind(op)?;
+            (r, status) = query();
+        }
+        match r {
+            // Active or invalidated: the capture goes on, and its graph may run.
+            sys::CUresult::CUDA_SUCCESS => {
+                Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+            }
+            // A relaxed capture elsewhere makes this (legacy-synchronising) stream part of it.
+            sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT => Ok(true),
+            _ => check(op, "cuStreamIsCapturing", r).map(|_| false),
+        }
     }
 
     fn has_data(&self) -> bool {
@@ -1032,7 +1111,12 @@ impl Driver for CudaDriver {
 impl Drop for CudaDriver {
     fn drop(&mut self) {
         let pooled = self.events.get_mut().drain_spare();
-        if !pooled.is_empty() && self.bind(DriverOp::DestroyEvent).is_ok() {
+        let ctx = if pooled.is_empty() {
+            None
+        } else {
+            self.bind(DriverOp::DestroyEvent).ok()
+        };
+        if ctx.is_some() {
             for ev in pooled {
                 // SAFETY: pooled events are live events of this context, each pooled once.
                 let r = unsafe { sys::cuEventDestroy_v2(ev as sys::CUevent) };
@@ -1041,6 +1125,7 @@ impl Drop for CudaDriver {
                 }
             }
         }
+        drop(ctx);
         // SAFETY: balances the cuDevicePrimaryCtxRetain in `with_peers` (exactly once).
         let r = unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.device) };
         if let Err(e) = check(DriverOp::MemInfo, "cuDevicePrimaryCtxRelease", r) {

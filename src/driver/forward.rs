@@ -152,9 +152,9 @@ impl From<MemInfo> for Done {
 /// A driver wrapper: forwards every [`Driver`] call to [`Forward::inner`], running the hooks
 /// around it. Implementing this trait gives the type [`Driver`].
 ///
-/// `name`, `granularity`, `has_data` and `simulated_work` are forwarded without hooks; every
-/// other call runs `before` (an error there is returned without calling the inner driver),
-/// then the inner call, then `after` with its outcome.
+/// `name`, `granularity`, `stream_capturing`, `has_data` and `simulated_work` are forwarded
+/// without hooks; every other call runs `before` (an error there is returned without calling
+/// the inner driver), then the inner call, then `after` with its outcome.
 pub trait Forward: Send + Sync {
     /// The driver calls are forwarded to.
     type Inner: Driver + ?Sized;
@@ -183,6 +183,13 @@ pub trait Forward: Send + Sync {
     /// How this wrapper performs [`Driver::write`] (by default the inner driver's).
     fn forward_write(&self, addr: DevAddr, data: &[u8]) -> DriverResult<()> {
         self.inner().write(addr, data)
+    }
+
+    /// How this wrapper answers [`Driver::stream_capturing`] (by default the inner driver's;
+    /// a test wrapper may mark streams as capturing). Forwarded without hooks: it is no
+    /// [`DriverOp`] and is neither counted nor timed.
+    fn forward_stream_capturing(&self, stream: Stream) -> DriverResult<bool> {
+        self.inner().stream_capturing(stream)
     }
 
     /// How this wrapper performs [`Driver::read`] (by default the inner driver's).
@@ -278,6 +285,9 @@ impl<F: Forward> Driver for F {
         hooked(self, Call::Read { addr, len }, |f| {
             f.forward_read(addr, buf)
         })
+    }
+    fn stream_capturing(&self, stream: Stream) -> DriverResult<bool> {
+        self.forward_stream_capturing(stream)
     }
     fn has_data(&self) -> bool {
         self.inner().has_data()

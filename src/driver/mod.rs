@@ -407,6 +407,15 @@ pub trait Driver: Send + Sync {
             "this backend holds no data",
         ))
     }
+    /// Whether `stream` is capturing a CUDA graph (`cuStreamIsCapturing`). Work queued on a
+    /// capturing stream is recorded into the graph and runs again on every replay, so memory
+    /// it touches must not be reused; the C ABI refuses allocations on such a stream. The
+    /// CPU backends cannot capture (`Ok(false)`, the default); the legacy default stream 0
+    /// never captures, and [`CudaDriver`] answers for it without a driver call.
+    fn stream_capturing(&self, stream: Stream) -> DriverResult<bool> {
+        let _ = stream;
+        Ok(false)
+    }
     /// Whether [`Driver::write`] and [`Driver::read`] work.
     fn has_data(&self) -> bool {
         false

@@ -12,16 +12,23 @@
  *       last allocation.
  *   test_capi badconf NEEDLE   with an invalid STITCH_ALLOC_CONF: every call fails cleanly
  *       and the last error contains NEEDLE.
+ *   test_capi fork      forks (20 times) while another thread allocates and frees without
+ *       pause; in each child every call must fail at once with "forked child" (a 10 s alarm
+ *       turns a hang into a failure).
  *
  * Prints one line per check and "N passed, N failed"; exits 0 only if none failed.
  */
 #include "stitch_alloc.h"
 
 #include <pthread.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
 
 static int passed = 0;
 static int failed = 0;
@@ -102,7 +109,7 @@ static void* work(void* arg) {
         }
     }
     /* An error on this thread is not visible on others. */
-    if (stitch_malloc(0, 0, NULL) != NULL || !error_has("zero-size")) {
+    if (stitch_malloc(SIZE_MAX, 0, NULL) != NULL || !error_has("too large")) {
         w->ok = 0;
     }
     return NULL;
@@ -167,11 +174,13 @@ static int run_main(void) {
 
     /* Bad inputs. Each leaves a last error and changes nothing. */
     stitch_clear_error();
-    CHECK(stitch_malloc(0, 0, NULL) == NULL && error_has("zero-size"),
-          "size 0 gives NULL and an error");
+    CHECK(stitch_malloc(0, 0, NULL) == NULL && error_empty(),
+          "size 0 gives NULL and sets no error");
     stitch_clear_error();
     CHECK(stitch_malloc(SIZE_MAX, 0, NULL) == NULL && error_has("too large"),
           "size SIZE_MAX gives NULL and \"too large\"");
+    CHECK(stitch_malloc(0, 0, NULL) == NULL && error_has("too large"),
+          "size 0 leaves the last error (the diagnosis to read) alone");
     stitch_clear_error();
     CHECK(stitch_malloc(SIZE_MAX - 4095, 0, NULL) == NULL && error_has("too large"),
           "size SIZE_MAX - 4095 gives NULL and \"too large\"");
@@ -332,6 +341,75 @@ static int run_badconf(const char* needle) {
     return 0;
 }
 
+/* --- fork: a child must fail every call at once, never hang ----------------------------- */
+
+static volatile int stop_busy = 0;
+
+static void* busy(void* arg) {
+    (void)arg;
+    while (!stop_busy) {
+        void* p = stitch_malloc(3 * MIB, 0, NULL);
+        void* q = stitch_malloc(5 * MIB, 0, NULL);
+        stitch_free(p, 0, 0, NULL);
+        stitch_empty_cache(0);
+        stitch_free(q, 0, 0, NULL);
+    }
+    return NULL;
+}
+
+/* In the child: 0 when every call failed with the fork error. */
+static int child_calls(void* parent_block) {
+    alarm(10);
+    int bad = 0;
+    stitch_clear_error();
+    bad |= stitch_malloc(MIB, 0, NULL) != NULL || !error_has("forked child");
+    stitch_clear_error();
+    stitch_free(parent_block, 0, 0, NULL);
+    bad |= !error_has("forked child");
+    stitch_clear_error();
+    bad |= stitch_stats_json(0) != NULL || !error_has("forked child");
+    stitch_clear_error();
+    bad |= stitch_empty_cache(0) != -1 || !error_has("forked child");
+    stitch_reset();
+    stitch_record_stream(parent_block, NULL);
+    bad |= !error_has("forked child");
+    return bad;
+}
+
+static int run_fork(void) {
+    void* block = stitch_malloc(MIB, 0, NULL);
+    CHECK(block != NULL, "an allocation in the parent");
+    pthread_t t;
+    pthread_create(&t, NULL, busy, NULL);
+    int clean = 0, hung = 0, wrong = 0;
+    for (int i = 0; i < 20; i++) {
+        fflush(stdout);
+        pid_t pid = fork();
+        if (pid == 0) {
+            _exit(child_calls(block));
+        }
+        int status = 0;
+        waitpid(pid, &status, 0);
+        if (WIFEXITED(status) && WEXITSTATUS(status) == 0) {
+            clean++;
+        } else if (WIFSIGNALED(status) && WTERMSIG(status) == SIGALRM) {
+            hung++;
+        } else {
+            wrong++;
+        }
+        struct timespec ms = {0, 1000000};
+        nanosleep(&ms, NULL);
+    }
+    stop_busy = 1;
+    pthread_join(t, NULL);
+    printf("     children: %d clean, %d hung, %d wrong\n", clean, hung, wrong);
+    CHECK(clean == 20, "every call in a forked child fails at once with the fork error");
+    stitch_clear_error();
+    stitch_free(block, 0, 0, NULL);
+    CHECK(error_empty(), "the parent goes on unharmed");
+    return 0;
+}
+
 int main(int argc, char** argv) {
     const char* mode = argc > 1 ? argv[1] : "main";
     int rc;
@@ -339,10 +417,12 @@ int main(int argc, char** argv) {
         rc = run_main();
     } else if (strcmp(mode, "sim") == 0) {
         rc = run_sim();
+    } else if (strcmp(mode, "fork") == 0) {
+        rc = run_fork();
     } else if (strcmp(mode, "badconf") == 0 && argc > 2) {
         rc = run_badconf(argv[2]);
     } else {
-        fprintf(stderr, "usage: %s main | sim | badconf NEEDLE\n", argv[0]);
+        fprintf(stderr, "usage: %s main | sim | fork | badconf NEEDLE\n", argv[0]);
         return 2;
     }
     printf("%d passed, %d failed\n", passed, failed);

@@ -14,7 +14,7 @@
 //! a bad one gives an error (or, for queued work, a sticky `CUDA_ERROR_ILLEGAL_ADDRESS` that
 //! the next synchronisation reports), never a host memory error.
 
-use super::{check, cu_stream, usize_of, CudaDriver, SymbolGroup};
+use super::{check, cu_stream, usize_of, Bound, CudaDriver, SymbolGroup};
 use crate::driver::{DevAddr, DriverOp, DriverResult, Stream};
 use cudarc::driver::sys;
 use std::ffi::c_void;
@@ -36,8 +36,9 @@ pub(super) static HELPER_SYMBOLS: SymbolGroup = SymbolGroup::new(&[
 ]);
 
 impl CudaDriver {
-    /// Bind the context after checking that the helpers' symbols exist.
-    fn bind_helper(&self, op: DriverOp) -> DriverResult<()> {
+    /// Bind the context (until the guard drops) after checking that the helpers' symbols
+    /// exist.
+    fn bind_helper(&self, op: DriverOp) -> DriverResult<Bound> {
         HELPER_SYMBOLS.require(op)?;
         self.bind(op)
     }
@@ -52,7 +53,7 @@ impl CudaDriver {
         stream: Stream,
     ) -> DriverResult<()> {
         let op = DriverOp::Copy;
-        self.bind_helper(op)?;
+        let _ctx = self.bind_helper(op)?;
         // SAFETY: only device memory is written; the driver validates the range (an invalid
         // one fails or faults on the device, never on the host). The stream is 0 or real (see `cu_stream`).
         check(op, "cuMemsetD32Async", unsafe {
@@ -70,7 +71,7 @@ impl CudaDriver {
         stream: Stream,
     ) -> DriverResult<()> {
         let op = DriverOp::Copy;
-        self.bind_helper(op)?;
+        let _ctx = self.bind_helper(op)?;
         // SAFETY: device memory only, validated by the driver; the stream is 0 or real (see `cu_stream`).
         check(op, "cuMemcpyDtoDAsync", unsafe {
             sys::cuMemcpyDtoDAsync_v2(dst, src, usize_of(op, len)?, cu_stream(op, stream)?)
@@ -85,7 +86,7 @@ impl CudaDriver {
             return Ok(());
         }
         let op = DriverOp::Copy;
-        self.bind_helper(op)?;
+        let _ctx = self.bind_helper(op)?;
         // SAFETY: `data` is a live host buffer of `len` bytes and stays borrowed until the
         // stream synchronisation below, after which the copy no longer reads it.
         check(op, "cuMemcpyHtoDAsync", unsafe {
@@ -105,7 +106,7 @@ impl CudaDriver {
             return Ok(());
         }
         let op = DriverOp::Copy;
-        self.bind_helper(op)?;
+        let _ctx = self.bind_helper(op)?;
         // SAFETY: `buf` is a live, writable host buffer of `len` bytes, exclusively borrowed
         // until the stream synchronisation below completes the copy.
         check(op, "cuMemcpyDtoHAsync", unsafe {
@@ -123,7 +124,7 @@ impl CudaDriver {
     /// 0 = none, 1 = read, 3 = read-write. An error when `addr` is not mapped.
     pub fn access_flags(&self, addr: DevAddr) -> DriverResult<u64> {
         let op = DriverOp::SetAccess;
-        self.bind_helper(op)?;
+        let _ctx = self.bind_helper(op)?;
         let mut flags: std::ffi::c_ulonglong = 0;
         let loc = self.access[0].location;
         // SAFETY: valid out-pointer and location; the driver validates `addr`.
@@ -163,7 +164,7 @@ impl CudaDriver {
     /// baseline, and scratch buffers for tests). Free with [`CudaDriver::mem_free`].
     pub fn mem_alloc(&self, size: u64) -> DriverResult<DevAddr> {
         let op = DriverOp::Create;
-        self.bind_helper(op)?;
+        let _ctx = self.bind_helper(op)?;
         let mut p: sys::CUdeviceptr = 0;
         // SAFETY: valid out-pointer; the context is current.
         check(op, "cuMemAlloc", unsafe {
@@ -176,7 +177,7 @@ impl CudaDriver {
     /// uses it; the driver rejects any other address).
     pub fn mem_free(&self, addr: DevAddr) -> DriverResult<()> {
         let op = DriverOp::Release;
-        self.bind_helper(op)?;
+        let _ctx = self.bind_helper(op)?;
         // SAFETY: the driver validates the address against its allocations.
         check(op, "cuMemFree", unsafe { sys::cuMemFree_v2(addr) })
     }
@@ -185,7 +186,7 @@ impl CudaDriver {
     /// `cudaMallocAsync` baseline).
     pub fn mem_alloc_async(&self, size: u64, stream: Stream) -> DriverResult<DevAddr> {
         let op = DriverOp::Create;
-        self.bind_helper(op)?;
+        let _ctx = self.bind_helper(op)?;
         let mut p: sys::CUdeviceptr = 0;
         // SAFETY: valid out-pointer; the stream is 0 or real (see `cu_stream`).
         check(op, "cuMemAllocAsync", unsafe {
@@ -198,7 +199,7 @@ impl CudaDriver {
     /// ordered on `stream`.
     pub fn mem_free_async(&self, addr: DevAddr, stream: Stream) -> DriverResult<()> {
         let op = DriverOp::Release;
-        self.bind_helper(op)?;
+        let _ctx = self.bind_helper(op)?;
         // SAFETY: the driver validates the address; the stream is 0 or real (see `cu_stream`).
         check(op, "cuMemFreeAsync", unsafe {
             sys::cuMemFreeAsync(addr, cu_stream(op, stream)?)
@@ -206,7 +207,7 @@ impl CudaDriver {
     }
 
     fn default_pool(&self, op: DriverOp) -> DriverResult<sys::CUmemoryPool> {
-        self.bind_helper(op)?;
+        let _ctx = self.bind_helper(op)?;
         let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
         // SAFETY: valid out-pointer and device handle.
         check(op, "cuDeviceGetDefaultMemPool", unsafe {

@@ -1,0 +1,230 @@
+//! The bodies of the exports, each on a given [`Runtime`] (the exports pass the process's;
+//! unit tests their own, with drivers they control). Pointers arrive as integers: nothing
+//! here reads through one.
+#![forbid(unsafe_code)]
+
+use super::capture::CAPTURE_UNSUPPORTED;
+use super::conf::OnOom;
+use super::guard::{describe, first_time, report};
+use super::runtime::Runtime;
+use crate::driver::Driver;
+use crate::{AllocError, DevicePtr, Stream};
+use std::ffi::c_int;
+use std::sync::atomic::Ordering;
+
+/// `stitch_malloc`: the address, or 0 on failure (reported).
+pub(super) fn malloc(rt: &Runtime, size: usize, device: c_int, stream: Stream) -> u64 {
+    let fail = |level, m: &str| {
+        report(
+            level,
+            &format!("stitch_malloc(size={size}, device={device}): {m}"),
+        );
+        0
+    };
+    let r = rt.with_alloc("stitch_malloc", device, |a, _| {
+        if size == 0 {
+            // Torch asks for zero bytes for every empty tensor: NULL, without a warning and
+            // without replacing the thread's last error (an out-of-memory diagnosis a user is
+            // told to read must survive the empty tensors allocated after it).
+            tracing::debug!(device, "stitch_malloc: zero-size allocation");
+            return Ok(0);
+        }
+        match a.driver().stream_capturing(stream) {
+            Ok(false) => {}
+            Ok(true) => return Err((tracing::Level::ERROR, CAPTURE_UNSUPPORTED.to_string())),
+            Err(e) => {
+                return Err((
+                    tracing::Level::WARN,
+                    format!("could not ask whether the stream is capturing a CUDA graph: {e}"),
+                ))
+            }
+        }
+        match a.alloc(size as u64, stream) {
+            Ok(p) => Ok(p.addr()),
+            Err(e) => Err((tracing::Level::WARN, describe_oom(rt, size, device, &e))),
+        }
+    });
+    match r {
+        Ok(Ok(p)) => p,
+        Ok(Err((level, m))) => fail(level, &m),
+        Err(m) => fail(first_time(&m), &m),
+    }
+}
+
+/// An allocation error in words; with `on_oom:abort`, an out-of-memory error aborts here.
+fn describe_oom(rt: &Runtime, size: usize, device: c_int, e: &AllocError) -> String {
+    let oom = matches!(e, AllocError::OutOfMemory(_) | AllocError::TooLarge { .. });
+    if oom && rt.conf().is_ok_and(|c| c.abi.on_oom == OnOom::Abort) {
+        eprintln!(
+            "stitch-alloc: stitch_malloc(size={size}, device={device}): {}; \
+             aborting (on_oom:abort)",
+            describe(e)
+        );
+        std::process::abort();
+    }
+    describe(e)
+}
+
+/// `stitch_free`.
+pub(super) fn free(rt: &Runtime, addr: u64, size: usize, device: c_int, stream: Stream) {
+    let report_at = |level, m: &str| {
+        report(
+            level,
+            &format!("stitch_free(ptr={addr:#x}, size={size}, device={device}): {m}"),
+        )
+    };
+    let fail = |m: &str| report_at(tracing::Level::WARN, m);
+    if addr == 0 {
+        return fail("null pointer");
+    }
+    if rt.conf().is_ok() && !rt.resolved() {
+        // No allocation was made, so the pointer is not ours; the driver stays untouched.
+        return fail("invalid pointer: no allocation was made by this library yet");
+    }
+    let r = rt.with_alloc("stitch_free", device, |a, slot| {
+        if slot.held.holds(addr) {
+            return fail(
+                "freed already, during a CUDA graph capture (the block stays held for the \
+                 graph); not freed",
+            );
+        }
+        if size != 0 {
+            if let Some(usable) = a.usable_size(DevicePtr(addr)) {
+                if size as u64 > usable {
+                    fail(&format!(
+                        "size {size} exceeds the allocation's {usable} bytes (freed anyway)"
+                    ));
+                }
+            }
+        }
+        // A query that fails is taken as a capture: holding a block is safe, reusing one
+        // that a graph still uses is not.
+        let capturing = a.driver().stream_capturing(stream).unwrap_or(true);
+        if capturing {
+            if let Some(usable) = a.usable_size(DevicePtr(addr)) {
+                slot.held.hold(addr, usable);
+                let m = format!(
+                    "{CAPTURE_UNSUPPORTED}: a block freed during a capture is not returned \
+                     to the pool (the graph may use it on replay); it stays held until the \
+                     process ends (graph_held_bytes in the statistics)"
+                );
+                report_at(first_time(&format!("{m} {device}")), &m);
+                return;
+            }
+        }
+        match a.free(DevicePtr(addr), stream) {
+            Ok(()) => {}
+            Err(e @ AllocError::InvalidPointer { .. }) => match rt.owner_of(addr) {
+                Some(other) => fail(&format!(
+                    "the pointer belongs to device {other}, not {device}; not freed"
+                )),
+                None => fail(&describe(&e)),
+            },
+            Err(e) => fail(&describe(&e)),
+        }
+    });
+    if let Err(m) = r {
+        report_at(first_time(&m), &m);
+    }
+}
+
+/// `stitch_init`.
+pub(super) fn init(rt: &Runtime, device_count: c_int) {
+    rt.init_count.store(device_count, Ordering::Relaxed);
+    match rt.backend() {
+        Ok(b) => tracing::debug!(device_count, backend = b.name(), "stitch_init"),
+        // Already printed to stderr when the configuration was read.
+        Err(e) => report(tracing::Level::DEBUG, &format!("stitch_init: {e}")),
+    }
+}
+
+/// `stitch_reset`: every device with an allocator; a poisoned one is reported.
+pub(super) fn reset(rt: &Runtime) {
+    for d in 0..rt.devices() {
+        if let Some(p) = rt.poisoned(d) {
+            report(first_time(p), &format!("stitch_reset: {p}"));
+        } else if rt.existing(d).is_some() {
+            let r = rt.with_alloc("stitch_reset", d as c_int, |a, _| a.empty_cache());
+            if let Ok(Err(e)) = r {
+                report(
+                    tracing::Level::WARN,
+                    &format!("stitch_reset: device {d}: {e}"),
+                );
+            }
+        }
+    }
+}
+
+/// `stitch_empty_cache`: 0, or -1 on error.
+pub(super) fn empty_cache(rt: &Runtime, device: c_int) -> c_int {
+    let fail = |m: &str| {
+        report(
+            tracing::Level::WARN,
+            &format!("stitch_empty_cache(device={device}): {m}"),
+        );
+        -1
+    };
+    if let Err(m) = rt.check_device(device) {
+        return fail(&m);
+    }
+    if let Some(p) = rt.poisoned(device as usize) {
+        return fail(p);
+    }
+    if rt.existing(device as usize).is_none() {
+        return 0; // nothing to release (and no driver is touched)
+    }
+    match rt.with_alloc("stitch_empty_cache", device, |a, _| a.empty_cache()) {
+        Ok(Ok(_)) => 0,
+        Ok(Err(e)) => fail(&e.to_string()),
+        Err(m) => fail(&m),
+    }
+}
+
+/// `stitch_memory_fraction`: refused loudly (ERROR, and the last error) once the device has
+/// its allocator.
+pub(super) fn memory_fraction(rt: &Runtime, fraction: f64, device: c_int) {
+    if let Err(m) = rt.set_fraction(fraction, device) {
+        report(
+            tracing::Level::ERROR,
+            &format!("stitch_memory_fraction(fraction={fraction}, device={device}): {m}"),
+        );
+    }
+}
+
+/// `stitch_record_stream`.
+pub(super) fn record_stream(rt: &Runtime, addr: u64, stream: Stream) {
+    let report_at =
+        |level, m: &str| report(level, &format!("stitch_record_stream(ptr={addr:#x}): {m}"));
+    let fail = |m: &str| report_at(tracing::Level::WARN, m);
+    if let Err(m) = rt.conf() {
+        return report_at(first_time(&m), &m);
+    }
+    let Some(d) = rt.owner_of(addr) else {
+        return match (0..rt.devices()).find_map(|d| rt.poisoned(d)) {
+            Some(p) => fail(&format!("not a live allocation of a usable device ({p})")),
+            None => fail("not a live allocation of this library"),
+        };
+    };
+    let r = rt.with_alloc("stitch_record_stream", d as c_int, |a, _| {
+        a.record_stream(DevicePtr(addr), stream)
+    });
+    match r {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => fail(&describe(&e)),
+        Err(m) => fail(&m),
+    }
+}
+
+/// `stitch_stats_json`: the document, or an error (reported).
+pub(super) fn stats_json(rt: &Runtime, device: c_int) -> Option<String> {
+    match rt.stats_json(device) {
+        Ok(s) => Some(s),
+        Err(m) => {
+            report(
+                tracing::Level::WARN,
+                &format!("stitch_stats_json(device={device}): {m}"),
+            );
+            None
+        }
+    }
+}
