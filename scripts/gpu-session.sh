@@ -23,7 +23,7 @@ case "$mode" in
 build)
     set -e
     bash scripts/gpu-check.sh build
-    cargo build --release --lib --bins
+    cargo build --release --lib --bins --features cli,capi
     cp target/release/libstitch_alloc.so .gpu/
     strip .gpu/libstitch_alloc.so
     mkdir -p .gpu/traces

@@ -35,17 +35,25 @@
 
 mod allocator;
 mod backend;
+#[cfg(feature = "capi")]
+#[doc(hidden)]
 pub mod capi;
+// The `STITCH_ALLOC_CONF` reader in config.rs is used by the C ABI only.
+#[cfg_attr(not(feature = "capi"), allow(dead_code))]
 mod config;
 pub mod cost;
 pub mod driver;
 mod engine;
 mod error;
+#[cfg(feature = "cli")]
 pub mod plot;
+#[cfg(feature = "cli")]
 pub mod replay;
 pub mod stats;
 #[cfg(feature = "testing")]
+#[doc(hidden)]
 pub mod testing;
+#[cfg(feature = "cli")]
 pub mod trace;
 
 pub use allocator::{Allocator, Buffer, DevicePtr, ShutdownReport};
