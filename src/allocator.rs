@@ -251,9 +251,19 @@ impl<D: Driver> Allocator<D> {
     }
 }
 
+/// Shuts down; live allocations are reported as leaks: through `tracing` when a subscriber
+/// is installed, else on stderr, so a leak is never silent.
 impl<D: Driver> Drop for Allocator<D> {
     fn drop(&mut self) {
-        self.shutdown();
+        let r = self.shutdown();
+        if r.leaked_allocations > 0 && !tracing::dispatcher::has_been_set() {
+            eprintln!(
+                "stitch-alloc: allocator dropped with {} live allocation(s) of {} in total \
+                 (leaked; their memory was given back to the driver)",
+                r.leaked_allocations,
+                crate::stats::Bytes(r.leaked_bytes)
+            );
+        }
     }
 }
 

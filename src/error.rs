@@ -2,6 +2,7 @@
 #![forbid(unsafe_code)]
 
 use crate::driver::{DriverError, DriverOp};
+use crate::stats::Bytes;
 use serde::Serialize;
 use std::fmt;
 
@@ -29,26 +30,22 @@ pub struct OomReport {
     pub driver_out_of_memory: bool,
 }
 
-fn gib(b: u64) -> f64 {
-    b as f64 / (1u64 << 30) as f64
-}
-
 impl fmt::Display for OomReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "tried to allocate {} bytes ({:.3} GiB, {} rounded); capacity {:.3} GiB, {:.3} GiB reserved, \
-             {:.3} GiB live in handles totalling {:.3} GiB, {:.3} GiB free but stranded in \
-             partly used handles, largest free span {:.3} GiB",
+            "tried to allocate {} ({} bytes, {} rounded); capacity {}, {} reserved, {} live in \
+             handles totalling {}, {} free but stranded in partly used handles, largest free \
+             span {}",
+            Bytes(self.requested),
             self.requested,
-            gib(self.requested),
-            self.rounded,
-            gib(self.capacity),
-            gib(self.reserved),
-            gib(self.live),
-            gib(self.live_handle_bytes),
-            gib(self.stranded),
-            gib(self.largest_free_span),
+            Bytes(self.rounded),
+            Bytes(self.capacity),
+            Bytes(self.reserved),
+            Bytes(self.live),
+            Bytes(self.live_handle_bytes),
+            Bytes(self.stranded),
+            Bytes(self.largest_free_span),
         )?;
         if self.driver_out_of_memory {
             write!(f, "; the driver refused to create more memory")?;

@@ -148,12 +148,13 @@ impl Ready {
                 ))
             }
             Backend::Auto if CudaDriver::available() => Backend::Cuda,
+            // The one rule (`Backend`): host memory or the simulator only when named.
             Backend::Auto => {
-                tracing::warn!(
-                    reason = CudaDriver::unavailable_reason().unwrap_or_default(),
-                    "backend auto: no usable CUDA device; using host memory"
-                );
-                Backend::Host
+                return Err(format!(
+                    "backend auto: no usable CUDA device ({}); set backend:host or backend:sim \
+                     to run without a GPU",
+                    CudaDriver::unavailable_reason().unwrap_or_default()
+                ))
             }
         };
         let n = match backend {

@@ -261,9 +261,21 @@ impl fmt::Display for DriverOp {
 /// c.add(DriverOp::Map);
 /// assert_eq!(c.get(DriverOp::Map), 1);
 /// assert_eq!(c.total(), 1);
+/// // `{:?}` names each kind.
+/// assert!(format!("{c:?}").contains("map: 1"));
 /// ```
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Copy, Clone, Default, PartialEq, Eq)]
 pub struct CallCounts([u64; 13]);
+
+impl std::fmt::Debug for CallCounts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut m = f.debug_struct("CallCounts");
+        for (op, n) in self.iter() {
+            m.field(op.name(), &n);
+        }
+        m.finish()
+    }
+}
 
 impl CallCounts {
     /// Count one call of `op`.
