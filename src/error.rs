@@ -55,6 +55,24 @@ impl fmt::Display for OomReport {
 }
 
 /// Everything that can go wrong, as a value.
+///
+/// ```
+/// use stitch_alloc::{AllocError, Allocator, Config, Stream};
+/// use stitch_alloc::driver::SimDriver;
+/// let a = Allocator::new(SimDriver::with_capacity(1 << 30), Config::default()).unwrap();
+/// let held = a.alloc(600 << 20, Stream::DEFAULT).unwrap();
+/// match a.alloc(600 << 20, Stream::DEFAULT) {
+///     Err(AllocError::OutOfMemory(why)) => {
+///         // The diagnosis tells a real shortage from fragmentation.
+///         assert_eq!(why.requested, 600 << 20);
+///         assert!(why.to_string().contains("tried to allocate 600.0 MiB"), "{why}");
+///         assert_eq!(why.live, 600 << 20);
+///     }
+///     other => panic!("expected out of memory, got {other:?}"),
+/// }
+/// assert!(matches!(a.alloc(0, Stream::DEFAULT), Err(AllocError::ZeroSize)));
+/// a.free(held, Stream::DEFAULT).unwrap();
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum AllocError {
@@ -116,3 +134,35 @@ impl From<DriverError> for AllocError {
 
 /// `Result` with [`AllocError`].
 pub type Result<T, E = AllocError> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Sizes in the unit that suits them: a 4 KiB request is not "0.000 GiB".
+    #[test]
+    fn oom_message_uses_human_units() {
+        let r = OomReport {
+            requested: 4096,
+            rounded: 2 << 20,
+            capacity: 80 << 30,
+            reserved: 3 << 29,
+            live: 512,
+            live_handle_bytes: 2 << 20,
+            stranded: 0,
+            largest_free_span: 0,
+            driver_out_of_memory: false,
+        };
+        let m = r.to_string();
+        for want in [
+            "tried to allocate 4.0 KiB (4096 bytes, 2.0 MiB rounded)",
+            "capacity 80.000 GiB",
+            "1.500 GiB reserved",
+            "512 B live",
+            "largest free span 0 B",
+        ] {
+            assert!(m.contains(want), "{want:?} in {m}");
+        }
+        assert!(!m.contains(" 0.000 GiB"), "{m}");
+    }
+}

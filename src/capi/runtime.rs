@@ -293,6 +293,30 @@ mod tests {
         }
     }
 
+    /// The one backend rule: `auto` (also the default) is CUDA or an error, never host.
+    #[test]
+    fn runtime_auto_is_cuda_or_an_error() {
+        for conf in ["backend:auto", ""] {
+            let rt = Runtime::new(conf);
+            match rt.ready() {
+                Ok(r) => {
+                    assert!(CudaDriver::available());
+                    assert_eq!(r.backend, Backend::Cuda);
+                }
+                Err(e) => {
+                    assert!(!CudaDriver::available());
+                    assert!(e.contains("no usable CUDA device"), "{e}");
+                    assert!(
+                        e.contains("backend:host") && e.contains("backend:sim"),
+                        "{e}"
+                    );
+                    assert!(rt.allocator(0).is_err());
+                    assert_eq!(rt.devices(), 0);
+                }
+            }
+        }
+    }
+
     #[test]
     fn runtime_fraction_only_before_creation() {
         let rt = host_rt("");

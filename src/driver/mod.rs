@@ -27,12 +27,14 @@ mod ledger;
 mod streams;
 
 pub mod cuda;
+#[doc(hidden)]
 pub mod faulty;
 pub mod host;
 pub mod meter;
 pub mod sim;
 
 pub use cuda::{CudaDriver, CudaStream};
+#[doc(hidden)]
 pub use faulty::FaultyDriver;
 pub use forward::{Call, Done, Forward};
 pub use host::HostDriver;
