@@ -17,8 +17,10 @@
  * Configuration: the environment variable STITCH_ALLOC_CONF, read once at the first call
  * of any function below. A comma-separated key:value list, like PYTORCH_CUDA_ALLOC_CONF:
  *
- *   backend:auto|cuda|host|sim  auto (default): CUDA when a device is usable, else host
- *                               memory. host: real, writable process memory (mmap/memfd),
+ *   backend:auto|cuda|host|sim  auto (default): CUDA when a device is usable, else an
+ *                               initialisation error (CPU backends only when named; the
+ *                               stats document's "backend" says which one serves).
+ *                               host: real, writable process memory (mmap/memfd),
  *                               for tests and CPU-only use. sim: accounting only; its
  *                               pointers must never be dereferenced.
  *   capacity_fraction:F         limit each device to F of its memory, F in (0, 1]

@@ -7,7 +7,7 @@
 # There (GPU machine, repo root, no cargo):
 #   bash scripts/gpu-session.sh suite    # tests (GPU ones included and required: a missing GPU
 #                                        # fails them), memcheck, GPU benches, trace replays,
-#                                        # Python tests
+#                                        # examples/cuda_server, Python tests
 #   bash scripts/gpu-session.sh torch    # scripts/torch-validate.py (PyTorch default vs
 #                                        # expandable segments vs stitch-alloc, fresh processes)
 #   bash scripts/gpu-session.sh zoo [args]  # scripts/torch-zoo.py --record: the workload zoo,
@@ -23,8 +23,11 @@ case "$mode" in
 build)
     set -e
     bash scripts/gpu-check.sh build
-    cargo build --release --lib --bins
+    cargo build --release --lib --bins --features cli,capi
     cp target/release/libstitch_alloc.so .gpu/
+    # examples/cuda_server.rs: Allocator<CudaDriver> on cudarc streams with a PTX kernel.
+    cargo build --release --example cuda_server
+    cp target/release/examples/cuda_server .gpu/
     strip .gpu/libstitch_alloc.so
     mkdir -p .gpu/traces
     ./target/release/stitch gen llm --seed 1 --out .gpu/traces/llm.trace.gz
@@ -51,6 +54,9 @@ suite)
         done
         echo "== demo on the GPU"
         "$stitch" demo --backend cuda
+        echo "== examples/cuda_server (a Rust server on two CUDA streams, PTX kernel)"
+        .gpu/cuda_server
+        echo "cuda_server exit $?"
     } >"$logs/replays.txt" 2>&1
     tail -c 3000 "$logs/replays.txt"
     echo "== python tests"

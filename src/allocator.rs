@@ -251,13 +251,43 @@ impl<D: Driver> Allocator<D> {
     }
 }
 
+/// Shuts down; live allocations are reported as leaks: through `tracing` when a subscriber
+/// is installed, else on stderr, so a leak is never silent.
 impl<D: Driver> Drop for Allocator<D> {
     fn drop(&mut self) {
-        self.shutdown();
+        let r = self.shutdown();
+        if r.leaked_allocations > 0 && !tracing::dispatcher::has_been_set() {
+            eprintln!(
+                "stitch-alloc: allocator dropped with {} live allocation(s) of {} in total \
+                 (leaked; their memory was given back to the driver)",
+                r.leaked_allocations,
+                crate::stats::Bytes(r.leaked_bytes)
+            );
+        }
     }
 }
 
 /// An allocation that frees itself on drop (on the stream it was allocated on).
+///
+/// On CUDA, `ptr().addr()` is the `CUdeviceptr` to hand to kernels and copies (cudarc's
+/// `cudarc::driver::result` calls and kernel arguments take it as a `u64`; see
+/// `examples/cuda_server.rs`). On the host backend [`Buffer::write`] and [`Buffer::read`]
+/// copy bytes in and out.
+///
+/// ```
+/// use stitch_alloc::{Allocator, Config, Stream};
+/// use stitch_alloc::driver::HostDriver;
+/// let a = Allocator::new(HostDriver::with_capacity(64 << 20).unwrap(), Config::default()).unwrap();
+/// {
+///     let buf = a.alloc_buffer(4096, Stream::DEFAULT).unwrap();
+///     buf.write(0, b"hello").unwrap();
+///     let mut out = [0u8; 5];
+///     buf.read(0, &mut out).unwrap();
+///     assert_eq!(&out, b"hello");
+///     assert!(buf.write(4095, b"xy").is_err(), "outside the buffer");
+/// } // freed here
+/// assert_eq!(a.stats().live_allocations.current, 0);
+/// ```
 pub struct Buffer<'a, D: Driver> {
     alloc: &'a Allocator<D>,
     ptr: DevicePtr,

@@ -10,9 +10,14 @@ use std::str::FromStr;
 /// (`backend:` in `STITCH_ALLOC_CONF`) and the `stitch` command (`--backend`). Parsed
 /// case-insensitively from `auto`, `cuda`, `host`, `sim` ([`FromStr`], serde).
 ///
-/// What `Auto` falls back to without a usable GPU is each entry point's choice:
-/// [`AnyDriver::auto`] and `stitch replay` take the simulator, the C ABI and `stitch demo`
-/// host memory.
+/// **The rule: memory that is not GPU memory is never handed out silently.** `Auto` means
+/// "a usable CUDA device, else an error that says why" everywhere: [`AnyDriver::auto`]
+/// returns [`BackendError::NoCuda`], the C ABI fails its initialisation (every allocation
+/// returns NULL, the error names the reason), `stitch replay`, `map` and `info` exit with
+/// that error. Host memory (`Host`) and the simulator (`Sim`) are used only when named. Two
+/// places name one for you, and say so: `stitch replay`, `map` and `info` default to `sim`
+/// (a replay is a model: it hands out no memory), and `stitch demo` runs on `host` when no
+/// GPU is present and prints that it does.
 ///
 /// ```
 /// use stitch_alloc::Backend;
@@ -23,7 +28,7 @@ use std::str::FromStr;
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Backend {
-    /// A CUDA device when one is usable, else the entry point's fallback.
+    /// A CUDA device when one is usable, else an error ([`BackendError::NoCuda`]).
     #[default]
     Auto,
     /// A real GPU through the CUDA driver ([`CudaDriver`]).
@@ -73,11 +78,15 @@ impl<'de> Deserialize<'de> for Backend {
 }
 
 /// Any of the crate's backends, chosen at run time (for command-line tools, benchmarks and
-/// tests that run on a GPU when there is one and on the simulator otherwise).
+/// tests that run on a GPU when there is one and on a named CPU backend otherwise).
 ///
 /// ```
-/// use stitch_alloc::{Allocator, AnyDriver, Config, Driver, Stream};
-/// let d = AnyDriver::auto(); // CUDA device 0 if usable, else the simulator
+/// use stitch_alloc::{Allocator, AnyDriver, Backend, Config, Driver, Stream};
+/// // CUDA device 0 if usable; without a GPU, the simulator, asked for by name.
+/// let d = AnyDriver::auto().or_else(|e| {
+///     eprintln!("{e}");
+///     AnyDriver::open(Backend::Sim)
+/// }).unwrap();
 /// println!("running on {}", d.name());
 /// let a = Allocator::new(d, Config::default()).unwrap();
 /// let p = a.alloc(64 << 20, Stream::DEFAULT).unwrap();
@@ -100,6 +109,16 @@ pub enum BackendError {
     /// The name is none of `auto`, `sim`, `host`, `cuda`.
     #[error("unknown backend {0:?}: expected one of auto, sim, host, cuda")]
     UnknownName(String),
+    /// `auto` found no usable CUDA device; the CPU backends are used only when named.
+    #[error(
+        "backend auto found no usable CUDA device ({source}); name a CPU backend to run \
+         without a GPU: host (host memory) or sim (the accounting-only simulator)"
+    )]
+    NoCuda {
+        /// Why CUDA device 0 could not be opened.
+        #[source]
+        source: DriverError,
+    },
     /// The backend exists but could not be opened (no GPU, no libcuda, host limits, ...).
     #[error("backend {name} is unavailable: {source}")]
     Unavailable {
@@ -120,26 +139,28 @@ impl AnyDriver {
         Backend::ALL[3].name(),
     ];
 
-    /// CUDA device 0 when [`CudaDriver::available`], else a simulated H200
-    /// ([`SimDriver::new`]). Never fails: if the GPU cannot be opened after all, the reason is
-    /// logged and the simulator is used.
+    /// CUDA device 0, or [`BackendError::NoCuda`] saying why it is unusable (no libcuda,
+    /// no device, no virtual memory management). Never a CPU backend: those are opened only
+    /// by name (see [`Backend`]).
     ///
     /// ```
-    /// use stitch_alloc::{AnyDriver, Driver};
-    /// let d = AnyDriver::auto();
-    /// assert!(d.name() == "cuda" || d.name() == "sim");
+    /// use stitch_alloc::{AnyDriver, BackendError, Driver};
+    /// match AnyDriver::auto() {
+    ///     Ok(d) => assert_eq!(d.name(), "cuda"),
+    ///     Err(e) => {
+    ///         assert!(matches!(e, BackendError::NoCuda { .. }));
+    ///         eprintln!("{e}"); // names the reason and the backends to name instead
+    ///     }
+    /// }
     /// ```
-    pub fn auto() -> Self {
-        if CudaDriver::available() {
-            match CudaDriver::new(0) {
-                Ok(d) => return AnyDriver::Cuda(d),
-                Err(e) => tracing::warn!(%e, "CUDA device 0 is unusable; using the simulator"),
-            }
-        }
-        AnyDriver::Sim(SimDriver::new())
+    pub fn auto() -> Result<Self, BackendError> {
+        CudaDriver::new(0)
+            .map(AnyDriver::Cuda)
+            .map_err(|source| BackendError::NoCuda { source })
     }
 
-    /// The backend called `name` (case-insensitive): `"auto"` ([`AnyDriver::auto`]),
+    /// The backend called `name` (case-insensitive): `"auto"` ([`AnyDriver::auto`]: CUDA or
+    /// an error),
     /// `"sim"` ([`SimDriver::new`]), `"host"` ([`HostDriver::new`]) or `"cuda"` (device 0).
     ///
     /// ```
@@ -165,7 +186,7 @@ impl AnyDriver {
     pub fn open(backend: Backend) -> Result<Self, BackendError> {
         let unavailable = |name| move |source| BackendError::Unavailable { name, source };
         match backend {
-            Backend::Auto => Ok(Self::auto()),
+            Backend::Auto => Self::auto(),
             Backend::Sim => Ok(AnyDriver::Sim(SimDriver::new())),
             Backend::Host => HostDriver::new()
                 .map(AnyDriver::Host)
@@ -221,15 +242,27 @@ impl Forward for AnyDriver {
 mod tests {
     use super::*;
 
+    /// `auto` is CUDA or an error that says why, never a CPU backend.
     #[test]
-    fn auto_picks_cuda_only_when_available() {
-        let d = AnyDriver::auto();
-        let want = if CudaDriver::available() {
-            "cuda"
-        } else {
-            "sim"
-        };
-        assert_eq!(d.name(), want);
+    fn auto_is_cuda_or_an_error() {
+        match AnyDriver::auto() {
+            Ok(d) => {
+                assert!(CudaDriver::available());
+                assert_eq!(d.name(), "cuda");
+            }
+            Err(e) => {
+                assert!(!CudaDriver::available());
+                assert!(matches!(e, BackendError::NoCuda { .. }), "{e:?}");
+                let text = e.to_string();
+                assert!(text.contains("no usable CUDA device"), "{text}");
+                assert!(text.contains("host") && text.contains("sim"), "{text}");
+            }
+        }
+        // By name, as `auto`.
+        match AnyDriver::from_name("auto") {
+            Ok(d) => assert_eq!(d.name(), "cuda"),
+            Err(e) => assert!(matches!(e, BackendError::NoCuda { .. }), "{e:?}"),
+        }
     }
 
     #[test]
@@ -245,7 +278,7 @@ mod tests {
             other => panic!("expected UnknownName, got {other:?}"),
         }
         for n in AnyDriver::NAMES {
-            if n != "cuda" {
+            if n != "cuda" && n != "auto" {
                 assert!(AnyDriver::from_name(n).is_ok(), "{n}");
             }
         }

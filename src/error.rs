@@ -2,6 +2,7 @@
 #![forbid(unsafe_code)]
 
 use crate::driver::{DriverError, DriverOp};
+use crate::stats::Bytes;
 use serde::Serialize;
 use std::fmt;
 
@@ -29,26 +30,22 @@ pub struct OomReport {
     pub driver_out_of_memory: bool,
 }
 
-fn gib(b: u64) -> f64 {
-    b as f64 / (1u64 << 30) as f64
-}
-
 impl fmt::Display for OomReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "tried to allocate {} bytes ({:.3} GiB, {} rounded); capacity {:.3} GiB, {:.3} GiB reserved, \
-             {:.3} GiB live in handles totalling {:.3} GiB, {:.3} GiB free but stranded in \
-             partly used handles, largest free span {:.3} GiB",
+            "tried to allocate {} ({} bytes, {} rounded); capacity {}, {} reserved, {} live in \
+             handles totalling {}, {} free but stranded in partly used handles, largest free \
+             span {}",
+            Bytes(self.requested),
             self.requested,
-            gib(self.requested),
-            self.rounded,
-            gib(self.capacity),
-            gib(self.reserved),
-            gib(self.live),
-            gib(self.live_handle_bytes),
-            gib(self.stranded),
-            gib(self.largest_free_span),
+            Bytes(self.rounded),
+            Bytes(self.capacity),
+            Bytes(self.reserved),
+            Bytes(self.live),
+            Bytes(self.live_handle_bytes),
+            Bytes(self.stranded),
+            Bytes(self.largest_free_span),
         )?;
         if self.driver_out_of_memory {
             write!(f, "; the driver refused to create more memory")?;
@@ -58,6 +55,24 @@ impl fmt::Display for OomReport {
 }
 
 /// Everything that can go wrong, as a value.
+///
+/// ```
+/// use stitch_alloc::{AllocError, Allocator, Config, Stream};
+/// use stitch_alloc::driver::SimDriver;
+/// let a = Allocator::new(SimDriver::with_capacity(1 << 30), Config::default()).unwrap();
+/// let held = a.alloc(600 << 20, Stream::DEFAULT).unwrap();
+/// match a.alloc(600 << 20, Stream::DEFAULT) {
+///     Err(AllocError::OutOfMemory(why)) => {
+///         // The diagnosis tells a real shortage from fragmentation.
+///         assert_eq!(why.requested, 600 << 20);
+///         assert!(why.to_string().contains("tried to allocate 600.0 MiB"), "{why}");
+///         assert_eq!(why.live, 600 << 20);
+///     }
+///     other => panic!("expected out of memory, got {other:?}"),
+/// }
+/// assert!(matches!(a.alloc(0, Stream::DEFAULT), Err(AllocError::ZeroSize)));
+/// a.free(held, Stream::DEFAULT).unwrap();
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum AllocError {
@@ -119,3 +134,35 @@ impl From<DriverError> for AllocError {
 
 /// `Result` with [`AllocError`].
 pub type Result<T, E = AllocError> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Sizes in the unit that suits them: a 4 KiB request is not "0.000 GiB".
+    #[test]
+    fn oom_message_uses_human_units() {
+        let r = OomReport {
+            requested: 4096,
+            rounded: 2 << 20,
+            capacity: 80 << 30,
+            reserved: 3 << 29,
+            live: 512,
+            live_handle_bytes: 2 << 20,
+            stranded: 0,
+            largest_free_span: 0,
+            driver_out_of_memory: false,
+        };
+        let m = r.to_string();
+        for want in [
+            "tried to allocate 4.0 KiB (4096 bytes, 2.0 MiB rounded)",
+            "capacity 80.000 GiB",
+            "1.500 GiB reserved",
+            "512 B live",
+            "largest free span 0 B",
+        ] {
+            assert!(m.contains(want), "{want:?} in {m}");
+        }
+        assert!(!m.contains(" 0.000 GiB"), "{m}");
+    }
+}

@@ -177,6 +177,40 @@ pub struct ReplayReport {
     /// Per-event series, when asked for.
     #[serde(skip)]
     pub timeline: Option<Timeline>,
+    /// PyTorch's own peak reserved bytes over the same recording, for a PyTorch snapshot
+    /// that records its segments ([`crate::trace::pytorch::RecordedReserved`]; filled in by
+    /// the caller). Left out of the JSON when unknown.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pytorch_peak_reserved_bytes: Option<u64>,
+    /// `pytorch_peak_reserved_bytes / peak_live_bytes` (PyTorch's ratio beside `ratio`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pytorch_ratio: Option<f64>,
+    /// `pytorch_peak_reserved_bytes - peak_reserved_bytes`: the reserved memory stitch-alloc
+    /// would save (negative: what it would cost).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub saved_bytes: Option<i64>,
+}
+
+impl ReplayReport {
+    /// Fill in PyTorch's own peak reserved bytes over the replayed recording (and the ratio
+    /// and saving derived from it).
+    ///
+    /// ```
+    /// let mut r = stitch_alloc::replay::ReplayReport {
+    ///     peak_live_bytes: 100,
+    ///     peak_reserved_bytes: 110,
+    ///     ..Default::default()
+    /// };
+    /// r.set_pytorch_reserved(150);
+    /// assert_eq!((r.pytorch_ratio, r.saved_bytes), (Some(1.5), Some(40)));
+    /// ```
+    pub fn set_pytorch_reserved(&mut self, peak_bytes: u64) {
+        self.pytorch_peak_reserved_bytes = Some(peak_bytes);
+        self.pytorch_ratio =
+            (self.peak_live_bytes > 0).then(|| peak_bytes as f64 / self.peak_live_bytes as f64);
+        let diff = i128::from(peak_bytes) - i128::from(self.peak_reserved_bytes);
+        self.saved_bytes = Some(i64::try_from(diff).unwrap_or(i64::MAX));
+    }
 }
 
 fn modeled<D: Driver>(a: &Allocator<D>, opts: &ReplayOptions) -> f64 {

@@ -3,6 +3,42 @@
 
 use crate::driver::CallCounts;
 use serde::Serialize;
+use std::fmt;
+
+/// A byte count in human units: the crate's one formatter (errors, summaries, the `stitch`
+/// command). Below 1 KiB in bytes; then KiB or MiB with one decimal, GiB or TiB with three,
+/// choosing the largest unit the value reaches.
+///
+/// ```
+/// use stitch_alloc::stats::Bytes;
+/// assert_eq!(Bytes(512).to_string(), "512 B");
+/// assert_eq!(Bytes(1536).to_string(), "1.5 KiB");
+/// assert_eq!(Bytes(300 << 20).to_string(), "300.0 MiB");
+/// assert_eq!(Bytes(3 << 29).to_string(), "1.500 GiB");
+/// assert_eq!(Bytes(2 << 40).to_string(), "2.000 TiB");
+/// ```
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct Bytes(pub u64);
+
+impl fmt::Display for Bytes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        const UNITS: [(&str, u32, usize); 4] = [
+            ("TiB", 40, 3),
+            ("GiB", 30, 3),
+            ("MiB", 20, 1),
+            ("KiB", 10, 1),
+        ];
+        let b = self.0;
+        let text = match UNITS.iter().find(|(_, shift, _)| b >= 1u64 << shift) {
+            Some(&(unit, shift, decimals)) => {
+                format!("{:.*} {unit}", decimals, b as f64 / (1u64 << shift) as f64)
+            }
+            None => format!("{b} B"),
+        };
+        // Honour width and alignment, for tables.
+        f.pad(&text)
+    }
+}
 
 /// A current value and its high-water mark.
 ///
@@ -131,4 +167,117 @@ pub struct DetailedStats {
     pub metadata_bytes: u64,
     /// `live_handle_bytes / requested` (1.0 = no waste at all); 0 with nothing live.
     pub live_handle_ratio: f64,
+}
+
+/// One row of a summary table: a label, then the values right-aligned.
+fn row(f: &mut fmt::Formatter<'_>, label: &str, cells: &[String]) -> fmt::Result {
+    write!(f, "| {label:<28}")?;
+    for c in cells {
+        write!(f, " | {c:>13}")?;
+    }
+    writeln!(f, " |")
+}
+
+fn rule(f: &mut fmt::Formatter<'_>, c: char) -> fmt::Result {
+    writeln!(f, "|{}|", c.to_string().repeat(62))
+}
+
+/// A table in the style of `torch.cuda.memory_summary()`: each gauge's current value and
+/// peak, then the counters.
+///
+/// ```
+/// use stitch_alloc::{Allocator, Config, Stream};
+/// use stitch_alloc::driver::SimDriver;
+/// let a = Allocator::new(SimDriver::with_capacity(1 << 30), Config::default()).unwrap();
+/// let p = a.alloc(100 << 20, Stream::DEFAULT).unwrap();
+/// let text = a.stats().to_string();
+/// assert!(text.contains("Requested memory") && text.contains("100.0 MiB"), "{text}");
+/// # a.free(p, Stream::DEFAULT).unwrap();
+/// ```
+impl fmt::Display for Stats {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        rule(f, '=')?;
+        writeln!(f, "| {:<60} |", "stitch-alloc memory summary")?;
+        rule(f, '-')?;
+        row(f, "Metric", &["Current".into(), "Peak".into()])?;
+        rule(f, '-')?;
+        let bytes = |g: Gauge| [Bytes(g.current).to_string(), Bytes(g.peak).to_string()];
+        row(f, "Requested memory", &bytes(self.requested))?;
+        row(f, "Allocated memory", &bytes(self.allocated))?;
+        row(f, "Reserved memory (handles)", &bytes(self.reserved))?;
+        row(f, "Mapped memory", &bytes(self.mapped))?;
+        let g = self.live_allocations;
+        row(
+            f,
+            "Live allocations",
+            &[g.current.to_string(), g.peak.to_string()],
+        )?;
+        row(
+            f,
+            "Frees waiting for events",
+            &[Bytes(self.pending_free).to_string(), String::new()],
+        )?;
+        rule(f, '-')?;
+        row(f, "Metric", &["Count".into(), String::new()])?;
+        rule(f, '-')?;
+        for (label, n) in [
+            ("Allocations", self.allocs),
+            ("Frees", self.frees),
+            ("  with no driver call", self.fast_allocs),
+            ("  on the slow path", self.slow_allocs),
+            ("Stitches", self.stitches),
+            ("  handles moved", self.stitched_handles),
+            ("In-place extensions", self.extensions),
+            ("Handles now", self.handles),
+            ("  created", self.handles_created),
+            ("  released", self.handles_released),
+            ("Out-of-memory failures", self.ooms),
+            ("Waits on events", self.event_waits),
+            ("Driver calls", self.calls.total()),
+        ] {
+            row(f, label, &[n.to_string(), String::new()])?;
+        }
+        rule(f, '=')
+    }
+}
+
+/// [`Stats`]' table, then the fragmentation figures.
+///
+/// ```
+/// use stitch_alloc::{Allocator, Config, Stream};
+/// use stitch_alloc::driver::SimDriver;
+/// let a = Allocator::new(SimDriver::with_capacity(1 << 30), Config::default()).unwrap();
+/// let p = a.alloc(100 << 20, Stream::DEFAULT).unwrap();
+/// let text = a.detailed_stats().to_string();
+/// assert!(text.contains("Largest free span") && text.contains("1.000 GiB"), "{text}");
+/// # a.free(p, Stream::DEFAULT).unwrap();
+/// ```
+impl fmt::Display for DetailedStats {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.stats)?;
+        row(f, "Fragmentation", &["Value".into(), String::new()])?;
+        rule(f, '-')?;
+        let b = |v: u64| [Bytes(v).to_string(), String::new()];
+        row(f, "Capacity", &b(self.capacity))?;
+        row(f, "Granularity", &b(self.granularity))?;
+        row(f, "Free bytes (mapped)", &b(self.free_bytes))?;
+        row(
+            f,
+            "Free spans",
+            &[self.free_spans.to_string(), String::new()],
+        )?;
+        row(f, "Largest free span", &b(self.largest_free_span))?;
+        row(f, "Free handles' bytes", &b(self.free_handle_bytes))?;
+        row(f, "Live handles' bytes", &b(self.live_handle_bytes))?;
+        row(f, "Stranded in live handles", &b(self.stranded_bytes))?;
+        row(f, "Rounding waste", &b(self.rounding_waste))?;
+        row(
+            f,
+            "Live handles / requested",
+            &[format!("{:.4}", self.live_handle_ratio), String::new()],
+        )?;
+        row(f, "Address space reserved", &b(self.va_reserved))?;
+        row(f, "Metadata (estimated)", &b(self.metadata_bytes))?;
+        rule(f, '=')
+    }
 }

@@ -11,7 +11,9 @@ use std::time::Instant;
 use stitch_alloc::driver::sim::H200_CAPACITY;
 use stitch_alloc::driver::{CudaDriver, CudaStream, Driver, HostDriver, SimDriver};
 use stitch_alloc::replay::{replay, CostModel, Meter, Metered, ReplayOptions, ReplayReport};
+use stitch_alloc::stats::Bytes;
 use stitch_alloc::trace::gen::{self, Kind, Scale};
+use stitch_alloc::trace::pytorch::{self, RecordedReserved};
 use stitch_alloc::trace::{self, Format, ReadOptions, Trace};
 use stitch_alloc::{parse_size, plot, Allocator, Backend, Capacity, Config, Stream};
 
@@ -33,8 +35,10 @@ macro_rules! out {
     version,
     about = "Replay GPU allocation traces through stitch-alloc and see what stitching is worth.",
     long_about = "Replay GPU allocation traces (stitch's text format or PyTorch memory \
-                  snapshots) through stitch-alloc, on a simulated H200 or real host memory; \
-                  generate synthetic traces; compare stitching on and off (`stitch demo`)."
+                  snapshots) through stitch-alloc, on a simulated H200 (the default), real \
+                  host memory or a GPU; see what you would save against PyTorch's own \
+                  allocator; generate synthetic traces; compare stitching on and off \
+                  (`stitch demo`)."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -55,8 +59,8 @@ enum Cmd {
     Map(MapArgs),
 }
 
-/// `--backend`: the library's [`Backend`], each value explained; `auto` says what it falls
-/// back to without a GPU (the command's choice).
+/// `--backend`: the library's [`Backend`], each value explained (`auto` is the command's
+/// own wording of the one rule: CUDA or an error, except in `stitch demo`).
 fn backend_parser(auto: &'static str) -> impl TypedValueParser<Value = Backend> {
     let values = Backend::ALL.map(|b| {
         PossibleValue::new(b.name()).help(match b {
@@ -65,7 +69,8 @@ fn backend_parser(auto: &'static str) -> impl TypedValueParser<Value = Backend> 
                 "SimDriver: an accounting-only simulated GPU (default: an H200, 139.8 GiB)"
             }
             Backend::Host => {
-                "HostDriver: real host memory, remapped with mmap and memfd (default 16 GiB)"
+                "HostDriver: real host memory, remapped with mmap and memfd, sized like an H200 \
+                 (139.8 GiB of address space; untouched pages cost no RAM)"
             }
             Backend::Cuda => "A real GPU (device 0) through the CUDA driver, loaded at run time",
         })
@@ -80,6 +85,10 @@ fn backend_parser(auto: &'static str) -> impl TypedValueParser<Value = Backend> 
 fn config_help(what: &str, field: &str, default: String) -> String {
     format!("{what} (Config::{field}; default {default})")
 }
+
+/// The error of `auto` when no GPU is usable (the one rule on [`Backend`]).
+const NO_GPU_HINT: &str = "name --backend sim (a simulated H200) or --backend host to run \
+                           without a GPU";
 
 /// A byte count as help text shows it.
 fn size_text(b: u64) -> String {
@@ -105,11 +114,12 @@ enum FormatArg {
 /// ones); sizes are read by [`parse_size`], as in `STITCH_ALLOC_CONF`.
 #[derive(Args, Clone)]
 struct AllocArgs {
-    /// The device backend.
-    #[arg(long, default_value = "auto", value_parser = backend_parser(
-        "CUDA device 0 when a usable GPU and driver are found, else the simulator"))]
+    /// The device backend (default sim: a replay is a model; name cuda to run on the GPU).
+    #[arg(long, default_value = "sim", value_parser = backend_parser(
+        "CUDA device 0; an error when no usable GPU and driver are found"))]
     backend: Backend,
-    /// Device capacity in bytes (sim, host: the device's size; cuda: Config::capacity).
+    /// Device capacity in bytes (sim, host: the device's size, default 139.8 GiB like an
+    /// H200; cuda: Config::capacity).
     /// Sizes: KiB, MiB, GiB, TiB (or K, M, G, T) are powers of 1024; kB, MB, GB, TB powers
     /// of 1000; fractions such as 1.5GiB are rounded down to a byte.
     #[arg(long, value_parser = parse_size)]
@@ -193,6 +203,10 @@ struct TraceArgs {
     /// For PyTorch snapshots: the device whose trace to replay (default: first non-empty).
     #[arg(long)]
     device: Option<usize>,
+    /// Exit with status 0 even when allocations failed (by default a failed allocation
+    /// makes the exit status 1, after the report).
+    #[arg(long)]
+    allow_failures: bool,
 }
 
 #[derive(Args)]
@@ -265,7 +279,8 @@ struct MapArgs {
     trace: TraceArgs,
     #[command(flatten)]
     alloc: AllocArgs,
-    /// Draw the state after this many events (default: the whole trace).
+    /// Draw the state after this many events (default: the first peak of live bytes; at
+    /// most the trace's length).
     #[arg(long)]
     at: Option<usize>,
     /// Output SVG.
@@ -299,9 +314,13 @@ fn sim_driver(capacity: Option<u64>) -> (Arc<dyn Driver>, String) {
     (Arc::new(sim), what.to_string())
 }
 
-fn cuda_driver() -> Result<(Arc<dyn Driver>, String), String> {
+fn cuda_driver(backend: Backend) -> Result<(Arc<dyn Driver>, String), String> {
     let d = CudaDriver::new(0).map_err(|e| {
-        format!("the CUDA backend is unavailable ({e}); use --backend sim (a simulated H200) or --backend host")
+        if backend == Backend::Auto {
+            format!("backend auto found no usable CUDA device ({e}); {NO_GPU_HINT}")
+        } else {
+            format!("the CUDA backend is unavailable ({e}); {NO_GPU_HINT}")
+        }
     })?;
     let d = Arc::new(d);
     CUDA.with(|c| *c.borrow_mut() = Some(d.clone()));
@@ -341,23 +360,15 @@ fn stream_map(b: &Built, t: &Trace) -> Result<std::collections::HashMap<u64, Str
     Ok(map)
 }
 
+/// The driver of `a.backend`: `auto` is CUDA or an error (never a CPU backend); `host` is
+/// sized like the simulated H200 unless `--capacity` says otherwise.
 fn make_driver(a: &AllocArgs) -> Result<(Arc<dyn Driver>, String), String> {
     match a.backend {
-        Backend::Cuda => cuda_driver(),
-        Backend::Auto if CudaDriver::available() => match cuda_driver() {
-            Ok(d) => Ok(d),
-            Err(e) => {
-                eprintln!("stitch: {e}; using the simulator");
-                Ok(sim_driver(a.capacity))
-            }
-        },
-        Backend::Auto | Backend::Sim => Ok(sim_driver(a.capacity)),
+        Backend::Cuda | Backend::Auto => cuda_driver(a.backend),
+        Backend::Sim => Ok(sim_driver(a.capacity)),
         Backend::Host => {
-            let h = match a.capacity {
-                Some(c) => HostDriver::with_capacity(c),
-                None => HostDriver::new(),
-            }
-            .map_err(|e| format!("cannot create the host backend: {e}"))?;
+            let h = HostDriver::with_capacity(a.capacity.unwrap_or(H200_CAPACITY))
+                .map_err(|e| format!("cannot create the host backend: {e}"))?;
             h.set_panic_on_leak(false);
             Ok((Arc::new(h), "host memory (mmap + memfd)".to_string()))
         }
@@ -396,29 +407,117 @@ impl TraceArgs {
     }
 }
 
-fn load(t: &TraceArgs) -> Result<Trace, String> {
-    let format = match t.format {
-        FormatArg::Auto => Format::Auto,
-        FormatArg::Text => Format::Text,
-        FormatArg::Pytorch => Format::PyTorch,
-    };
-    trace::read_path(
-        &t.file,
-        ReadOptions {
-            format,
-            device: t.device,
-        },
-    )
-    .map_err(|e| format!("{}: {e}", t.file.display()))
+/// The longest error message printed whole; a longer one (a binary file read as text
+/// quotes its "line") is cut.
+const MAX_MESSAGE: usize = 120;
+
+/// `msg` cut to about [`MAX_MESSAGE`] characters.
+fn cut(msg: String) -> String {
+    if msg.chars().count() <= MAX_MESSAGE {
+        return msg;
+    }
+    let head: String = msg.chars().take(MAX_MESSAGE).collect();
+    format!("{head}... (cut)")
 }
 
-fn gib(b: u64) -> String {
-    let g = b as f64 / (1u64 << 30) as f64;
-    if g >= 1.0 {
-        format!("{g:.3} GiB")
+/// A trace and, for a PyTorch snapshot that records its segments, PyTorch's own reserved
+/// bytes over it.
+struct Loaded {
+    trace: Trace,
+    pytorch: Option<RecordedReserved>,
+}
+
+fn load(t: &TraceArgs) -> Result<Loaded, String> {
+    let name = t.file.display();
+    let bytes = std::fs::read(&t.file).map_err(|e| format!("cannot read {name}: {e}"))?;
+    let bad = |e: trace::TraceError| cut(format!("{name}: {e}"));
+    // A snapshot (a pickle, gzipped or not) is read here, to get PyTorch's segments too;
+    // the format is detected as `trace::read_bytes` does.
+    let gz = trace::is_gzip(&bytes);
+    let gunzip = || flate2::read::MultiGzDecoder::new(&bytes[..]);
+    let pickle = match t.format {
+        FormatArg::Pytorch => true,
+        FormatArg::Text => false,
+        FormatArg::Auto if gz => {
+            use std::io::Read;
+            let mut b = [0u8; 1];
+            matches!(gunzip().read(&mut b), Ok(1)) && b[0] == 0x80
+        }
+        FormatArg::Auto => bytes.first() == Some(&0x80),
+    };
+    let (trace, pytorch) = if pickle {
+        let plain;
+        let data = if gz {
+            use std::io::Read;
+            let mut v = Vec::new();
+            gunzip().read_to_end(&mut v).map_err(|e| {
+                bad(trace::TraceError::Snapshot(format!(
+                    "gzip stream is truncated or corrupt: {e}"
+                )))
+            })?;
+            plain = v;
+            &plain[..]
+        } else {
+            &bytes[..]
+        };
+        pytorch::parse_snapshot_recorded(data, t.device).map_err(bad)?
     } else {
-        format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64)
+        let format = match t.format {
+            FormatArg::Text => Format::Text,
+            _ => Format::Auto,
+        };
+        let opts = ReadOptions {
+            format,
+            device: t.device,
+        };
+        (trace::read_bytes(&bytes, opts).map_err(bad)?, None)
+    };
+    if !trace
+        .events
+        .iter()
+        .any(|e| matches!(e, trace::Event::Alloc { .. }))
+    {
+        return Err(format!("{name}: the trace has no allocations"));
     }
+    Ok(Loaded { trace, pytorch })
+}
+
+/// The number of events after which live bytes first reach their peak.
+fn peak_live_event(t: &Trace) -> usize {
+    let mut sizes = std::collections::HashMap::new();
+    let (mut live, mut peak, mut at) = (0u64, 0u64, 0usize);
+    for (i, e) in t.events.iter().enumerate() {
+        match *e {
+            trace::Event::Alloc { id, bytes, .. } => {
+                sizes.insert(id, bytes);
+                live += bytes;
+                if live > peak {
+                    (peak, at) = (live, i + 1);
+                }
+            }
+            trace::Event::Free { id, .. } => live -= sizes.remove(&id).unwrap_or(0),
+            _ => {}
+        }
+    }
+    at
+}
+
+/// Byte counts as the tables show them: the library's one formatter.
+fn gib(b: u64) -> String {
+    Bytes(b).to_string()
+}
+
+/// The exit status after a replay: 1 when allocations failed, unless allowed.
+fn failures(failed: u64, first: Option<&str>, allow: bool) -> Result<ExitCode, String> {
+    if failed == 0 || allow {
+        return Ok(ExitCode::SUCCESS);
+    }
+    eprintln!(
+        "stitch: {failed} allocation(s) failed (first: {}); exit status 1 (pass \
+         --allow-failures to accept failures)",
+        first.unwrap_or("?")
+    );
+    Ok(ExitCode::from(1))
 }
 
 fn ms(us: f64) -> String {
@@ -483,6 +582,19 @@ fn print_report(file: &str, t: &Trace, b: &Built, r: &ReplayReport) {
         r.ratio
     );
     out!("stranded @ peak  {}", gib(r.stranded_bytes_at_peak));
+    if let (Some(torch), Some(saved)) = (r.pytorch_peak_reserved_bytes, r.saved_bytes) {
+        let verdict = if saved >= 0 {
+            format!("you would save {}", gib(saved.unsigned_abs()))
+        } else {
+            format!("stitch-alloc would need {} more", gib(saved.unsigned_abs()))
+        };
+        out!(
+            "vs PyTorch       PyTorch reserved {} (ratio {:.4}), stitch-alloc {}: {verdict}",
+            gib(torch),
+            r.pytorch_ratio.unwrap_or(0.0),
+            gib(r.peak_reserved_bytes)
+        );
+    }
     out!(
         "driver calls     reserve {}, create {}, release {}, map {}, unmap {}, set_access {}; events: record {}, query {}, wait {}",
         c.get(Op::Reserve),
@@ -540,7 +652,7 @@ fn print_report(file: &str, t: &Trace, b: &Built, r: &ReplayReport) {
     );
 }
 
-fn cmd_replay(a: &ReplayArgs) -> Result<(), String> {
+fn cmd_replay(a: &ReplayArgs) -> Result<ExitCode, String> {
     let cost = match &a.cost_model {
         None => CostModel::default(),
         Some(p) => {
@@ -551,7 +663,8 @@ fn cmd_replay(a: &ReplayArgs) -> Result<(), String> {
         }
     };
     let b = build_with(&a.alloc, cost)?;
-    let t = load(&a.trace)?;
+    let loaded = load(&a.trace)?;
+    let t = loaded.trace;
     let map = stream_map(&b, &t)?;
     let opts = ReplayOptions {
         meter: Some(b.meter.clone()),
@@ -563,11 +676,16 @@ fn cmd_replay(a: &ReplayArgs) -> Result<(), String> {
     };
     let mut r = replay(&t, &b.alloc, &opts);
     r.stitching = Some(b.stitching);
+    if let Some(torch) = loaded.pytorch {
+        r.set_pytorch_reserved(torch.peak_bytes);
+    }
     if b.alloc.driver().name() != "sim" || a.alloc.paranoid {
         if let Err(e) = b.alloc.validate() {
             return Err(format!("allocator invariant broken after replay: {e}"));
         }
     }
+    // What the trace leaves live is expected, not a leak of this program's.
+    b.alloc.shutdown();
     if let (Some(path), Some(tl)) = (&a.plot, &r.timeline) {
         let name = a.trace.name();
         let title = format!(
@@ -590,7 +708,11 @@ fn cmd_replay(a: &ReplayArgs) -> Result<(), String> {
             out!("plot             {}", p.display());
         }
     }
-    Ok(())
+    failures(
+        r.failed_allocs,
+        r.first_error.as_deref(),
+        a.trace.allow_failures,
+    )
 }
 
 fn cmd_gen(a: &GenArgs) -> Result<(), String> {
@@ -612,16 +734,6 @@ fn cmd_gen(a: &GenArgs) -> Result<(), String> {
 }
 
 fn cmd_info(a: &InfoArgs) -> Result<(), String> {
-    if a.alloc.backend == Backend::Auto {
-        out!(
-            "backend      auto -> {}",
-            if CudaDriver::available() {
-                "cuda (a CUDA driver and device were found)"
-            } else {
-                "sim (no usable CUDA driver or device)"
-            }
-        );
-    }
     let b = build(&a.alloc)?;
     let d = b.alloc.driver();
     let info = d.mem_info().map_err(|e| e.to_string())?;
@@ -646,10 +758,19 @@ fn cmd_info(a: &InfoArgs) -> Result<(), String> {
     Ok(())
 }
 
-fn cmd_map(a: &MapArgs) -> Result<(), String> {
+fn cmd_map(a: &MapArgs) -> Result<ExitCode, String> {
     let b = build(&a.alloc)?;
-    let t = load(&a.trace)?;
-    let at = a.at.unwrap_or(t.events.len()).min(t.events.len());
+    let t = load(&a.trace)?.trace;
+    let at = match a.at {
+        None => peak_live_event(&t),
+        Some(n) if n <= t.events.len() => n,
+        Some(n) => {
+            return Err(format!(
+                "--at {n} is beyond the trace, which has {} events",
+                t.events.len()
+            ))
+        }
+    };
     let map = stream_map(&b, &t)?;
     let opts = ReplayOptions {
         meter: Some(b.meter.clone()),
@@ -659,6 +780,8 @@ fn cmd_map(a: &MapArgs) -> Result<(), String> {
     };
     let r = replay(&t, &b.alloc, &opts);
     let snap = b.alloc.snapshot();
+    // What the trace leaves live is expected, not a leak of this program's.
+    b.alloc.shutdown();
     let name = a.trace.name();
     let title = format!(
         "{name} after {at} events (stitching {})",
@@ -667,7 +790,7 @@ fn cmd_map(a: &MapArgs) -> Result<(), String> {
     std::fs::write(&a.out, plot::map_svg(&snap, &title))
         .map_err(|e| format!("cannot write {}: {e}", a.out.display()))?;
     eprintln!(
-        "wrote {}: {} runs, {} handles, live {}, reserved {}, stranded {} after {} events ({} failed allocs)",
+        "wrote {}: {} runs, {} handles, live {}, reserved {}, stranded {} after {} events{} ({} failed allocs)",
         a.out.display(),
         snap.runs.len(),
         snap.handles.len(),
@@ -675,9 +798,18 @@ fn cmd_map(a: &MapArgs) -> Result<(), String> {
         gib(snap.detailed.stats.reserved.current),
         gib(snap.detailed.stranded_bytes),
         at,
+        if a.at.is_none() {
+            " (the peak of live bytes)"
+        } else {
+            ""
+        },
         r.failed_allocs
     );
-    Ok(())
+    failures(
+        r.failed_allocs,
+        r.first_error.as_deref(),
+        a.trace.allow_failures,
+    )
 }
 
 struct DemoRow {
@@ -691,16 +823,27 @@ struct DemoRow {
     us_off: f64,
 }
 
+/// `backend` as the demo uses it: `auto` without a usable GPU names the host backend (the
+/// demo's one exception to the rule on [`Backend`], printed when taken).
+fn demo_backend(backend: Backend) -> Backend {
+    if backend == Backend::Auto && !CudaDriver::available() {
+        eprintln!(
+            "stitch demo: no usable CUDA device ({}); running on the host backend instead \
+             (real host memory, sized like an H200). Name --backend cuda to require the GPU.",
+            CudaDriver::unavailable_reason().unwrap_or_default()
+        );
+        return Backend::Host;
+    }
+    if backend == Backend::Auto {
+        return Backend::Cuda;
+    }
+    backend
+}
+
 fn demo_run(t: &Trace, stitching: bool, backend: Backend) -> Result<ReplayReport, String> {
-    // Without a GPU, `auto` means the host backend at the simulated H200's size.
-    let (backend, capacity) = match backend {
-        Backend::Auto if !CudaDriver::available() => (Backend::Host, Some(H200_CAPACITY)),
-        Backend::Host => (Backend::Host, Some(H200_CAPACITY)),
-        b => (b, None),
-    };
     let b = build(&AllocArgs {
         backend,
-        capacity,
+        capacity: None,
         no_stitch: !stitching,
         min_handle: None,
         max_handle: None,
@@ -719,17 +862,19 @@ fn demo_run(t: &Trace, stitching: bool, backend: Backend) -> Result<ReplayReport
     };
     let mut r = replay(t, &b.alloc, &opts);
     r.stitching = Some(stitching);
+    b.alloc.shutdown();
     Ok(r)
 }
 
 fn cmd_demo(a: &DemoArgs) -> Result<(), String> {
     let t0 = Instant::now();
+    let backend = demo_backend(a.backend);
     let llm = gen::generate(Kind::Llm, a.seed, Scale::Full);
     let cb = gen::generate(Kind::Checkerboard, a.seed, Scale::Full);
-    let l_on = demo_run(&llm, true, a.backend)?;
-    let l_off = demo_run(&llm, false, a.backend)?;
-    let c_on = demo_run(&cb, true, a.backend)?;
-    let c_off = demo_run(&cb, false, a.backend)?;
+    let l_on = demo_run(&llm, true, backend)?;
+    let l_off = demo_run(&llm, false, backend)?;
+    let c_on = demo_run(&cb, true, backend)?;
+    let c_off = demo_run(&cb, false, backend)?;
     let row = DemoRow {
         ratio_on: l_on.ratio,
         ratio_off: l_off.ratio,
@@ -834,15 +979,16 @@ fn cmd_demo(a: &DemoArgs) -> Result<(), String> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    let ok = |r: Result<(), String>| r.map(|()| ExitCode::SUCCESS);
     let r = match &cli.cmd {
         Cmd::Replay(a) => cmd_replay(a),
-        Cmd::Gen(a) => cmd_gen(a),
-        Cmd::Demo(a) => cmd_demo(a),
-        Cmd::Info(a) => cmd_info(a),
+        Cmd::Gen(a) => ok(cmd_gen(a)),
+        Cmd::Demo(a) => ok(cmd_demo(a)),
+        Cmd::Info(a) => ok(cmd_info(a)),
         Cmd::Map(a) => cmd_map(a),
     };
     match r {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => code,
         Err(e) => {
             eprintln!("stitch: error: {e}");
             ExitCode::from(2)
@@ -871,7 +1017,7 @@ mod tests {
     #[test]
     fn flags_set_config_fields() {
         let a = alloc_args(&[]);
-        assert_eq!(a.backend, Backend::Auto);
+        assert_eq!(a.backend, Backend::Sim);
         assert_eq!(a.config(false), Config::default());
         let a = alloc_args(&[
             "--backend=sim",

@@ -84,7 +84,7 @@ impl<'de> Deserialize<'de> for OnOom {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub(crate) struct AbiConfig {
-    /// Auto: CUDA when usable, else host memory (with a warning).
+    /// Auto: CUDA when usable, else an initialisation error (host and sim only by name).
     pub backend: Backend,
     /// The capacity per device as a fraction of its memory, in (0, 1]; excludes
     /// `capacity_bytes`.

@@ -381,14 +381,14 @@ impl Devices {
                 Ok(n) => (Backend::Cuda, Some(n)),
                 Err(why) => return Err(format!("backend cuda: no usable CUDA device ({why})")),
             },
+            // The one rule (`Backend`): host memory or the simulator only when named.
             Backend::Auto => match cuda() {
                 Ok(n) => (Backend::Cuda, Some(n)),
                 Err(why) => {
-                    tracing::warn!(
-                        reason = why,
-                        "backend auto: no usable CUDA device; using host memory"
-                    );
-                    (Backend::Host, None)
+                    return Err(format!(
+                        "backend auto: no usable CUDA device ({why}); set backend:host or \
+                         backend:sim to run without a GPU"
+                    ))
                 }
             },
         };
@@ -457,6 +457,22 @@ mod tests {
     use std::sync::Arc;
 
     const MIB: u64 = 1 << 20;
+
+    /// The one backend rule: `auto` (also the default) is CUDA or an error, never host.
+    #[test]
+    fn runtime_auto_is_cuda_or_an_error() {
+        for conf in ["backend:auto", ""] {
+            let rt = Runtime::new(conf);
+            match rt.allocator(0) {
+                Ok(_) => assert!(CudaDriver::available()),
+                Err(e) => {
+                    assert!(!CudaDriver::available(), "{e}");
+                    assert!(e.contains("no usable CUDA device"), "{e}");
+                    assert!(e.contains("backend:host") && e.contains("backend:sim"), "{e}");
+                }
+            }
+        }
+    }
 
     fn host_rt(extra: &str) -> Runtime {
         let rt = Runtime::new(&format!(

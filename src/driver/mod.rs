@@ -27,12 +27,14 @@ mod ledger;
 mod streams;
 
 pub mod cuda;
+#[doc(hidden)]
 pub mod faulty;
 pub mod host;
 pub mod meter;
 pub mod sim;
 
 pub use cuda::{CudaDriver, CudaStream};
+#[doc(hidden)]
 pub use faulty::FaultyDriver;
 pub use forward::{Call, Done, Forward};
 pub use host::HostDriver;
@@ -261,9 +263,21 @@ impl fmt::Display for DriverOp {
 /// c.add(DriverOp::Map);
 /// assert_eq!(c.get(DriverOp::Map), 1);
 /// assert_eq!(c.total(), 1);
+/// // `{:?}` names each kind.
+/// assert!(format!("{c:?}").contains("map: 1"));
 /// ```
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Copy, Clone, Default, PartialEq, Eq)]
 pub struct CallCounts([u64; 13]);
+
+impl std::fmt::Debug for CallCounts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut m = f.debug_struct("CallCounts");
+        for (op, n) in self.iter() {
+            m.field(op.name(), &n);
+        }
+        m.finish()
+    }
+}
 
 impl CallCounts {
     /// Count one call of `op`.

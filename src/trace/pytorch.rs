@@ -20,6 +20,12 @@
 //! * Segment events (`segment_alloc`, `segment_map`, ...), `snapshot` and `oom` are skipped.
 //!
 //! Errors name the device and the entry's index in its list.
+//!
+//! PyTorch's own reserved memory over the recording ([`RecordedReserved`], read by
+//! [`parse_snapshot_recorded`]) comes from the segment events: the snapshot's `segments`
+//! list is the state at the dump, and walking the device's `segment_alloc` / `segment_map`
+//! (+size) and `segment_free` / `segment_unmap` (-size) entries back from it gives the state
+//! when recording began, then forward the peak.
 
 use super::{Event, Trace, TraceError, MAX_BYTES};
 use rustc_hash::FxHashMap;
@@ -73,27 +79,120 @@ fn as_list(v: &Value) -> Option<&[Value]> {
 /// Read a snapshot pickle (already decompressed) and convert device `device`'s trace (the
 /// first non-empty one when `None`).
 pub fn parse_snapshot(bytes: &[u8], device: Option<usize>) -> Result<Trace, TraceError> {
+    from_value(&unpickle(bytes)?, device)
+}
+
+/// Like [`parse_snapshot`], plus PyTorch's own reserved bytes over the recording, when the
+/// snapshot lets them be computed (see [`RecordedReserved`]).
+///
+/// ```
+/// # let bytes = std::fs::read(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/torch-small.pickle")).unwrap();
+/// use stitch_alloc::trace::pytorch::parse_snapshot_recorded;
+/// let (trace, torch) = parse_snapshot_recorded(&bytes, None).unwrap();
+/// let torch = torch.expect("this snapshot has segments");
+/// assert!(torch.peak_bytes >= torch.initial_bytes && torch.peak_bytes >= torch.final_bytes);
+/// assert!(trace.summary().peak_live_bytes <= torch.peak_bytes);
+/// ```
+pub fn parse_snapshot_recorded(
+    bytes: &[u8],
+    device: Option<usize>,
+) -> Result<(Trace, Option<RecordedReserved>), TraceError> {
+    let value = unpickle(bytes)?;
+    let trace = from_value(&value, device)?;
+    Ok((trace, recorded_reserved(&value, device)?))
+}
+
+fn unpickle(bytes: &[u8]) -> Result<Value, TraceError> {
     // A decoder copies an object at every reference to it: refuse reference bombs first.
     super::pickle_guard::check_expansion(bytes)
         .map_err(|e| TraceError::Snapshot(format!("cannot unpickle: {e}")))?;
-    let value = serde_pickle::value_from_slice(
+    serde_pickle::value_from_slice(
         bytes,
         DeOptions::new()
             .replace_unresolved_globals()
             .replace_recursive_structures(),
     )
-    .map_err(|e| TraceError::Snapshot(format!("cannot unpickle: {e}")))?;
-    from_value(&value, device)
+    .map_err(|e| TraceError::Snapshot(format!("cannot unpickle: {e}")))
 }
 
-/// Convert an already unpickled snapshot (see [`parse_snapshot`]).
-pub fn from_value(value: &Value, device: Option<usize>) -> Result<Trace, TraceError> {
+/// The bytes PyTorch's caching allocator itself held reserved (its segments) on the device
+/// whose trace is replayed: at the start of the recording, at its peak, and at the dump.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct RecordedReserved {
+    /// Reserved when recording began (segments made before it).
+    pub initial_bytes: u64,
+    /// The most reserved at once during the recording.
+    pub peak_bytes: u64,
+    /// Reserved at the dump (the snapshot's `segments`).
+    pub final_bytes: u64,
+}
+
+/// PyTorch's reserved bytes over device `device`'s trace (the same device [`from_value`]
+/// picks). `None` when the snapshot has no `segments` list, or when its segment events do
+/// not add up (more freed than the dump and the events account for).
+pub fn recorded_reserved(
+    value: &Value,
+    device: Option<usize>,
+) -> Result<Option<RecordedReserved>, TraceError> {
     let Value::Dict(top) = value else {
-        return Err(TraceError::Snapshot(
-            "the pickle is not a dict (expected the output of torch.cuda.memory._dump_snapshot())"
-                .into(),
-        ));
+        return Ok(None);
     };
+    let (dev, entries) = device_entries(top, device)?;
+    let Some(segments) = get(top, "segments").and_then(as_list) else {
+        return Ok(None);
+    };
+    let mut final_bytes = 0u64;
+    for seg in segments {
+        let Value::Dict(d) = seg else { return Ok(None) };
+        let on_dev = get(d, "device").and_then(as_u64).map(|x| x as usize);
+        if on_dev != Some(dev) {
+            continue;
+        }
+        let Some(size) = get(d, "total_size").and_then(as_u64) else {
+            return Ok(None);
+        };
+        final_bytes = final_bytes.saturating_add(size);
+    }
+    // Net change of each entry: +size for segment_alloc/map, -size for segment_free/unmap.
+    let mut deltas = Vec::new();
+    for e in entries {
+        let Value::Dict(d) = e else { continue };
+        let sign = match get(d, "action").and_then(as_str) {
+            Some("segment_alloc" | "segment_map") => 1i128,
+            Some("segment_free" | "segment_unmap") => -1i128,
+            _ => continue,
+        };
+        let Some(size) = get(d, "size").and_then(as_u64) else {
+            return Ok(None);
+        };
+        deltas.push(sign * i128::from(size));
+    }
+    let net: i128 = deltas.iter().sum();
+    let initial = i128::from(final_bytes) - net;
+    if initial < 0 {
+        return Ok(None);
+    }
+    let (mut cur, mut peak) = (initial, initial);
+    for d in deltas {
+        cur += d;
+        if cur < 0 {
+            return Ok(None);
+        }
+        peak = peak.max(cur);
+    }
+    let to_u64 = |x: i128| u64::try_from(x).unwrap_or(u64::MAX);
+    Ok(Some(RecordedReserved {
+        initial_bytes: to_u64(initial),
+        peak_bytes: to_u64(peak),
+        final_bytes,
+    }))
+}
+
+/// The device whose trace to read (`device`, or the first non-empty one) and its entries.
+fn device_entries(
+    top: &BTreeMap<HashableValue, Value>,
+    device: Option<usize>,
+) -> Result<(usize, &[Value]), TraceError> {
     let traces = get(top, "device_traces")
         .ok_or_else(|| {
             TraceError::Snapshot(
@@ -120,6 +219,18 @@ pub fn from_value(value: &Value, device: Option<usize>) -> Result<Trace, TraceEr
     };
     let entries = as_list(&traces[dev])
         .ok_or_else(|| TraceError::Snapshot(format!("device_traces[{dev}] is not a list")))?;
+    Ok((dev, entries))
+}
+
+/// Convert an already unpickled snapshot (see [`parse_snapshot`]).
+pub fn from_value(value: &Value, device: Option<usize>) -> Result<Trace, TraceError> {
+    let Value::Dict(top) = value else {
+        return Err(TraceError::Snapshot(
+            "the pickle is not a dict (expected the output of torch.cuda.memory._dump_snapshot())"
+                .into(),
+        ));
+    };
+    let (dev, entries) = device_entries(top, device)?;
     convert(entries, dev)
 }
 
