@@ -221,6 +221,14 @@ impl<D: Driver> Allocator<D> {
         self.engine.lock().cfg.granularity
     }
 
+    /// Slots of the stream-owner table (one per stream whose freed memory is not yet usable
+    /// by every stream, plus recycled slots): for tests that the table stays bounded.
+    #[cfg(feature = "testing")]
+    #[doc(hidden)]
+    pub fn stream_owner_slots(&self) -> usize {
+        self.engine.lock().stream_owner_slots()
+    }
+
     /// The driver.
     pub fn driver(&self) -> &D {
         &self.driver
