@@ -7,9 +7,10 @@
 //! (`record_stream`) is fenced at its free with one event per stream and waits, pending,
 //! until all have completed.
 //!
-//! Owners are recycled: once a stream has no dirty block and no fence, its slot goes back to
-//! the idle list, so the table holds one slot per stream with unfenced or in-flight frees, not
-//! one per stream ever seen. A stream whose fence cannot be recorded (a destroyed or broken
+//! Owners are recycled: a stream with no dirty block and no fence is "quiet", and once the
+//! table holds [`KEEP_OWNERS`] slots a new stream takes a quiet stream's slot instead of a
+//! new one, so the table holds at most `KEEP_OWNERS` slots or one per stream with unfenced or
+//! in-flight frees, not one per stream ever seen; `by_stream` finds a stream's owner in O(1). A stream whose fence cannot be recorded (a destroyed or broken
 //! stream) keeps its frees dirty: usable by that stream only, never stitched, never unmapped
 //! while the allocator runs; the other streams go on as before.
 #![forbid(unsafe_code)]
@@ -19,6 +20,11 @@ use super::Engine;
 use crate::driver::{Driver, DriverOp, EventId, Stream};
 use crate::error::Result;
 use rustc_hash::FxHashMap;
+
+/// Up to this many stream owners none is recycled: the table keeps the order of first frees,
+/// which is the order a poll fences streams in (so small stream counts behave exactly as
+/// when the table never shrank); beyond it, new streams reuse quiet streams' slots.
+pub(crate) const KEEP_OWNERS: usize = 64;
 
 /// The owner of a free block: an index into [`Fences::owners`] (and into the arena's bins).
 #[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -44,7 +50,7 @@ impl OwnerId {
 /// Where a stream owner stands.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Standing {
-    /// A free slot, in [`Fences::idle`]: no dirty block, no fence, in no stream's entry.
+    /// A free slot, in [`Fences::reusable`]: no dirty block, no fence, in no stream's entry.
     Idle,
     /// Holds its stream's frees; `by_stream` maps the stream to it.
     Active,
@@ -70,6 +76,8 @@ pub(crate) struct Owner {
     pub(crate) fence: Option<(EventId, u64)>,
     /// Whether the slot is in use and how (see [`Standing`]); `Active` for the clean owner.
     pub(crate) standing: Standing,
+    /// Whether the slot is in [`Fences::reusable`] (at most once).
+    pub(crate) listed: bool,
 }
 
 /// A free of a block used on several streams, waiting for one event per stream.
@@ -96,8 +104,10 @@ pub(crate) struct Fences {
     pub(crate) owners: Vec<Owner>,
     /// stream -> owner, for exactly the `Active` and `Failing` owners (one per stream).
     by_stream: FxHashMap<Stream, OwnerId>,
-    /// Exactly the `Idle` slots, reused last-in first-out.
-    idle: Vec<OwnerId>,
+    /// Slots a new stream may take, last-in first-out: every `Idle` slot, and owners that
+    /// were quiet (no dirty block, no fence) when last polled; those may have freed again
+    /// since, which is checked when they are taken. Exactly the owners with `listed` set.
+    reusable: Vec<OwnerId>,
     /// Multi-stream frees, in no particular order.
     pub(crate) pending: Vec<PendingFree>,
     /// Completed events whose destroy failed; retried on later slow paths and at teardown,
@@ -116,9 +126,10 @@ impl Fences {
                 free_seq: 0,
                 fence: None,
                 standing: Standing::Active,
+                listed: false,
             }],
             by_stream: FxHashMap::default(),
-            idle: Vec::new(),
+            reusable: Vec::new(),
             pending: Vec::new(),
             undestroyed_events: Vec::new(),
             extra_streams: FxHashMap::default(),
@@ -141,7 +152,7 @@ impl Fences {
     pub(crate) fn clear_owners(&mut self) {
         self.owners.truncate(1);
         self.by_stream.clear();
-        self.idle.clear();
+        self.reusable.clear();
     }
 
     /// Take owner `k` (a stream owner) out of its stream's entry: `Retired`, or `Idle` when
@@ -154,9 +165,18 @@ impl Fences {
         }
         if dirty {
             o.standing = Standing::Retired;
-        } else if o.standing != Standing::Idle {
+        } else {
             o.standing = Standing::Idle;
-            self.idle.push(k);
+            self.list(k);
+        }
+    }
+
+    /// Put owner `k` in `reusable` unless it is there.
+    fn list(&mut self, k: OwnerId) {
+        let o = &mut self.owners[k.index()];
+        if !o.listed {
+            o.listed = true;
+            self.reusable.push(k);
         }
     }
 
@@ -194,7 +214,7 @@ impl Fences {
                 }
             }
         }
-        let (mut idle, mut mapped) = (0, 0);
+        let (mut listed, mut mapped) = (0, 0);
         for (k, o) in self.owners.iter().enumerate().skip(1) {
             if let Some((_, covered)) = o.fence {
                 if covered > o.free_seq {
@@ -202,11 +222,14 @@ impl Fences {
                 }
             }
             let entry = self.by_stream.get(&o.stream) == Some(&OwnerId(k as u32));
-            let ok = match o.standing {
-                Standing::Idle => {
-                    idle += 1;
-                    !dirty[k] && o.fence.is_none() && self.idle.contains(&OwnerId(k as u32))
+            if o.listed {
+                listed += 1;
+                if !self.reusable.contains(&OwnerId(k as u32)) {
+                    return Err(format!("owner {k} is listed but not in the reusable slots"));
                 }
+            }
+            let ok = match o.standing {
+                Standing::Idle => !dirty[k] && o.fence.is_none() && o.listed,
                 Standing::Active | Standing::Failing => {
                     mapped += 1;
                     entry
@@ -217,12 +240,15 @@ impl Fences {
                 return Err(format!("owner {k} ({:?}) breaks its standing", o.standing));
             }
         }
-        if idle != self.idle.len() || mapped != self.by_stream.len() {
-            return Err("the idle list or the stream map disagrees with the owners".into());
+        if listed != self.reusable.len() || mapped != self.by_stream.len() {
+            return Err("the reusable slots or the stream map disagree with the owners".into());
         }
         for p in &self.pending {
             if p.lost && !p.unfenced.is_empty() {
-                return Err(format!("lost pending free of block {} has streams to fence", p.block));
+                return Err(format!(
+                    "lost pending free of block {} has streams to fence",
+                    p.block
+                ));
             }
             if blocks.get(p.block as usize).map(|b| b.state) != Some(State::Pending) {
                 return Err(format!(
@@ -249,13 +275,18 @@ impl Fences {
 }
 
 impl Engine {
-    /// The owner for frees on `stream`: its own, else an idle slot or a new one (with its
-    /// free lists).
+    /// The owner for frees on `stream`: its own, else (once the table holds `KEEP_OWNERS`
+    /// slots) a reusable one, else a new one (with its free lists).
     pub(super) fn owner_for(&mut self, stream: Stream) -> OwnerId {
         if let Some(o) = self.fences.owner_index(stream) {
             return o;
         }
-        let k = match self.fences.idle.pop() {
+        let reused = if self.fences.owners.len() > KEEP_OWNERS {
+            self.take_reusable()
+        } else {
+            None
+        };
+        let k = match reused {
             Some(k) => k,
             None => {
                 let k = u32::try_from(self.fences.owners.len()).expect("at most 2^32 owners");
@@ -264,6 +295,7 @@ impl Engine {
                     free_seq: 0,
                     fence: None,
                     standing: Standing::Idle,
+                    listed: false,
                 });
                 self.arena.add_owner();
                 OwnerId(k)
@@ -276,9 +308,30 @@ impl Engine {
             free_seq: 0,
             fence: None,
             standing: Standing::Active,
+            listed: false,
         };
         self.fences.by_stream.insert(stream, k);
         k
+    }
+
+    /// A slot for a new stream from `reusable`, made `Idle` (a quiet owner leaves its
+    /// stream's entry); `None` if every listed one is busy again.
+    fn take_reusable(&mut self) -> Option<OwnerId> {
+        while let Some(k) = self.fences.reusable.pop() {
+            self.fences.owner_mut(k).listed = false;
+            let o = self.fences.owner(k);
+            match o.standing {
+                Standing::Idle => return Some(k),
+                Standing::Active | Standing::Failing if o.fence.is_none() && !self.has_dirty(k) => {
+                    let stream = o.stream;
+                    self.fences.by_stream.remove(&stream);
+                    self.fences.owner_mut(k).standing = Standing::Idle;
+                    return Some(k);
+                }
+                _ => {} // busy again: listed anew when next found quiet
+            }
+        }
+        None
     }
 
     /// Whether owner `k` holds a dirty free block.
@@ -355,7 +408,7 @@ impl Engine {
     }
 
     /// Fence stream owner `k`'s frees and make clean what has completed (see `poll`); an
-    /// owner left with no dirty block and no fence goes back to the idle slots. An error
+    /// owner left quiet (no dirty block, no fence) becomes reusable. An error
     /// (recording or querying its fence failed) leaves its dirty blocks dirty and marks it
     /// `Failing`; retried on the next call.
     pub(super) fn poll_owner<D: Driver + ?Sized>(
@@ -385,7 +438,10 @@ impl Engine {
                 let o = self.fences.owner_mut(k);
                 o.fence = Some((e, covered));
                 if o.standing == Standing::Failing {
-                    tracing::info!(stream = s.raw(), "a stream that could not be fenced can again");
+                    tracing::info!(
+                        stream = s.raw(),
+                        "a stream that could not be fenced can again"
+                    );
                     o.standing = Standing::Active;
                 }
             }
@@ -408,7 +464,11 @@ impl Engine {
             self.arena.make_clean(k, covered);
             // Frees after the fence are still dirty: go round and fence them too.
         }
-        self.fences.detach(k, false);
+        if self.fences.owner(k).standing == Standing::Retired {
+            self.fences.detach(k, false); // nothing left to quarantine
+        } else {
+            self.fences.list(k);
+        }
         Ok(())
     }
 

@@ -66,7 +66,9 @@ impl Engine {
             tracing::error!(%e, "waiting for outstanding frees failed during teardown");
         }
         self.wait_for_live_work(d);
-        let unfenced = self.arena.unfenced_bytes(self.fences.pending.iter().map(|p| p.block));
+        let unfenced = self
+            .arena
+            .unfenced_bytes(self.fences.pending.iter().map(|p| p.block));
         if unfenced > 0 {
             tracing::error!(
                 bytes = unfenced,

@@ -345,7 +345,6 @@ impl Engine {
         self.fences.owners.len() - 1
     }
 
-
     /// Size in bytes usable at `ptr` (the rounded block size), if it is live.
     pub(crate) fn usable_size(&self, ptr: u64) -> Option<u64> {
         self.arena
