@@ -114,7 +114,9 @@ impl<D: Driver> Allocator<D> {
     /// Free memory from [`Allocator::alloc`] whose last use was queued on `stream`.
     ///
     /// It is reusable at once by `stream`; by other streams and by stitching only after the
-    /// work queued on `stream` before this call has completed.
+    /// work queued on `stream` before this call has completed. Memory also used on other
+    /// streams ([`Allocator::record_stream`]) is fenced on each; a stream whose event cannot be
+    /// recorded now is fenced on a later slow path, so the free itself still succeeds.
     pub fn free(&self, ptr: DevicePtr, stream: Stream) -> Result<()> {
         let mut e = self.engine.lock();
         let r = e.free(&self.driver, ptr.0, stream);
@@ -155,6 +157,12 @@ impl<D: Driver> Allocator<D> {
     /// the work queued on it before its frees has completed, so the allocator never records
     /// an event on it later (fences are recorded lazily, on slow paths). Streams that live as
     /// long as the allocator need no call.
+    ///
+    /// If the stream cannot be fenced (recording or waiting fails), its freed memory is
+    /// quarantined (used by nobody until shutdown, since nothing tells when the stream is done
+    /// with it), the allocator still never records on the stream again, and the error is
+    /// returned. A stream that fails outside `retire_stream` only keeps its own frees dirty:
+    /// every other stream goes on.
     ///
     /// ```
     /// use stitch_alloc::{Allocator, Config, Stream};
@@ -221,13 +229,22 @@ impl<D: Driver> Allocator<D> {
         self.engine.lock().cfg.granularity
     }
 
+    /// Slots of the stream-owner table (one per stream whose freed memory is not yet usable
+    /// by every stream, plus recycled slots): for tests that the table stays bounded.
+    #[cfg(feature = "testing")]
+    #[doc(hidden)]
+    pub fn stream_owner_slots(&self) -> usize {
+        self.engine.lock().stream_owner_slots()
+    }
+
     /// The driver.
     pub fn driver(&self) -> &D {
         &self.driver
     }
 
     /// Give all memory back to the driver; later calls fail with [`AllocError::ShutDown`].
-    /// Live allocations are reported as leaks (and logged).
+    /// Live allocations are reported as leaks (and logged); the work queued on them (on their
+    /// streams and the streams `record_stream` added) is waited for before they are unmapped.
     pub fn shutdown(&self) -> ShutdownReport {
         let mut e = self.engine.lock();
         if e.shut_down {

@@ -3,16 +3,24 @@
 //! * a reservation is an `mmap(PROT_NONE, MAP_NORESERVE)` range;
 //! * a physical handle is a `memfd` file of the handle's size;
 //! * a map is `mmap(MAP_FIXED | MAP_SHARED)` of the whole file at the address, with no access
-//!   until `set_access` (`mprotect(PROT_READ | PROT_WRITE)`), as on the GPU;
+//!   until `set_access` (`mprotect(PROT_READ | PROT_WRITE)`), as on the GPU; the mapping is
+//!   `MADV_DONTFORK`, so a forked child has no such range (a shared mapping would let the
+//!   child's writes change the parent's memory; device memory is not inherited either);
 //! * an unmap puts a fresh `PROT_NONE` placeholder back (`MAP_FIXED`), so the reservation
-//!   stays whole and no other code in the process can take the hole.
+//!   stays whole and no other code in the process can take the hole; so does a failed map
+//!   (a failed `MAP_FIXED` may already have removed the placeholder).
 //!
 //! A handle unmapped at one address and mapped at another keeps its bytes, exactly as a
 //! `cuMemCreate` handle does: this backend proves data integrity across stitching.
 //!
 //! Every handle costs one file descriptor and every mapping one kernel VMA; the process
 //! limits (`ulimit -n`, `vm.max_map_count`) bound how many exist at once. Hitting one gives
-//! a [`DriverError`] with code [`code::OS_LIMIT`] that names the limit.
+//! a [`DriverError`] that names the limit: out of file descriptors has code
+//! [`code::OUT_OF_MEMORY`] (no more handles can be created, as on a full GPU, so the
+//! allocator stitches the free handles it has), out of mappings [`code::OS_LIMIT`].
+//!
+//! Dropping the driver while it still holds resources gives them back to the OS and logs the
+//! leak (it panics only when [`HostDriver::set_panic_on_leak`] asked for it).
 
 use super::ledger::{LeakReport, Ledger};
 use super::streams::WorkId;
@@ -60,6 +68,10 @@ struct HostState {
 pub struct HostDriver {
     state: Mutex<HostState>,
     panic_on_leak: AtomicBool,
+    /// Unit tests: make the next `map` fail the way `mmap(MAP_FIXED)` may, after the kernel
+    /// already removed the placeholder.
+    #[cfg(test)]
+    fail_next_map: AtomicBool,
 }
 
 impl std::fmt::Debug for HostDriver {
@@ -79,7 +91,7 @@ fn os_error(op: DriverOp, what: &str) -> DriverError {
     match errno {
         libc::EMFILE | libc::ENFILE => DriverError::new(
             op,
-            code::OS_LIMIT,
+            code::OUT_OF_MEMORY,
             format!(
                 "{what}: open-file limit reached ({e}); the host backend holds one memfd per \
                  physical handle: raise `ulimit -n` or use larger handles"
@@ -98,6 +110,26 @@ fn os_error(op: DriverOp, what: &str) -> DriverError {
             )
         }
         _ => DriverError::new(op, errno as i64, format!("{what}: {e}")),
+    }
+}
+
+/// Map a fresh `PROT_NONE` placeholder over `[addr, addr+size)` (`MAP_FIXED`), so the range
+/// stays reserved. Returns what `mmap` returned.
+///
+/// # Safety
+/// The range must lie inside one of this driver's reservations: whatever is mapped there is
+/// replaced.
+unsafe fn placeholder(addr: DevAddr, size: u64) -> *mut libc::c_void {
+    // SAFETY: the caller vouches for the range.
+    unsafe {
+        libc::mmap(
+            addr as *mut libc::c_void,
+            size as usize,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
     }
 }
 
@@ -129,7 +161,9 @@ impl HostDriver {
                 fds: HashMap::new(),
                 next_id: 0,
             }),
-            panic_on_leak: AtomicBool::new(true),
+            panic_on_leak: AtomicBool::new(false),
+            #[cfg(test)]
+            fail_next_map: AtomicBool::new(false),
         })
     }
 
@@ -138,7 +172,8 @@ impl HostDriver {
         self.state.lock().ledger.leak_report()
     }
 
-    /// Whether dropping a driver that still holds something panics (default: true).
+    /// Whether dropping a driver that still holds something panics (default: false; the
+    /// leak is logged with `tracing::error!` either way).
     pub fn set_panic_on_leak(&self, on: bool) {
         self.panic_on_leak.store(on, Ordering::Relaxed);
     }
@@ -318,11 +353,35 @@ impl Driver for HostDriver {
                 0,
             )
         };
+        #[cfg(test)]
+        let p = if self.fail_next_map.swap(false, Ordering::Relaxed) {
+            // Emulate mmap(2)'s "if MAP_FIXED fails, the old mapping may be removed".
+            // SAFETY: the range is our own mapping, made just above.
+            unsafe {
+                libc::munmap(addr as *mut libc::c_void, size as usize);
+                *libc::__errno_location() = libc::ENOMEM;
+            }
+            libc::MAP_FAILED
+        } else {
+            p
+        };
         if p == libc::MAP_FAILED {
-            return Err(os_error(
-                DriverOp::Map,
-                "mmap(MAP_FIXED|MAP_SHARED) of a memfd",
-            ));
+            let err = os_error(DriverOp::Map, "mmap(MAP_FIXED|MAP_SHARED) of a memfd");
+            // A failed MAP_FIXED may have removed the placeholder: put it back.
+            // SAFETY: the range is still ours, inside our reservation, with no mapping of ours.
+            if unsafe { placeholder(addr, size) } == libc::MAP_FAILED {
+                tracing::error!(addr, size, "could not restore a reservation placeholder");
+            }
+            return Err(err);
+        }
+        // SAFETY: advice on the mapping just made; it changes only what fork does with it.
+        if unsafe { libc::madvise(p, size as usize, libc::MADV_DONTFORK) } != 0 {
+            let err = os_error(DriverOp::Map, "madvise(MADV_DONTFORK)");
+            // SAFETY: replacing our own mapping, made just above, with the placeholder.
+            if unsafe { placeholder(addr, size) } == libc::MAP_FAILED {
+                tracing::error!(addr, size, "could not restore a reservation placeholder");
+            }
+            return Err(err);
         }
         s.ledger.commit_map(addr, size, handle);
         Ok(())
@@ -334,16 +393,7 @@ impl Driver for HostDriver {
         s.ledger.check_unmap(addr, size)?;
         // SAFETY: the ledger confirmed [addr, addr+size) is exactly one of our mappings;
         // replacing it with a PROT_NONE placeholder keeps the reservation whole.
-        let p = unsafe {
-            libc::mmap(
-                addr as *mut libc::c_void,
-                size as usize,
-                libc::PROT_NONE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
-        };
+        let p = unsafe { placeholder(addr, size) };
         if p == libc::MAP_FAILED {
             return Err(os_error(DriverOp::Unmap, "mmap(PROT_NONE) placeholder"));
         }
@@ -487,6 +537,90 @@ mod tests {
         d.release(b).unwrap();
         d.free_reservation(va, 8 * g).unwrap();
         assert!(d.leak_report().is_clean());
+    }
+
+    /// Whether anything is mapped at `addr` (a `MAP_FIXED_NOREPLACE` probe).
+    fn is_mapped(addr: u64, len: u64) -> bool {
+        // SAFETY: MAP_FIXED_NOREPLACE never replaces an existing mapping; a probe that
+        // succeeds is unmapped again at once.
+        unsafe {
+            let p = libc::mmap(
+                addr as *mut libc::c_void,
+                len as usize,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED_NOREPLACE,
+                -1,
+                0,
+            );
+            if p == libc::MAP_FAILED {
+                return true;
+            }
+            libc::munmap(p, len as usize);
+            false
+        }
+    }
+
+    #[test]
+    fn a_failed_map_leaves_no_hole_in_the_reservation() {
+        let d = HostDriver::with_capacity(32 << 20).unwrap();
+        let g = d.granularity();
+        let va = d.reserve(4 * g).unwrap();
+        let h = d.create(g).unwrap();
+        d.fail_next_map.store(true, Ordering::Relaxed);
+        assert!(d.map(va + g, g, h).is_err());
+        assert!(
+            is_mapped(va + g, g),
+            "the placeholder is back: no other mmap can take the range"
+        );
+        // The driver is still consistent: the same map works now.
+        d.map(va + g, g, h).unwrap();
+        d.unmap(va + g, g).unwrap();
+        d.release(h).unwrap();
+        d.free_reservation(va, 4 * g).unwrap();
+        assert!(d.leak_report().is_clean());
+    }
+
+    #[test]
+    fn a_forked_child_cannot_write_the_parents_memory() {
+        let d = HostDriver::with_capacity(32 << 20).unwrap();
+        let g = d.granularity();
+        let va = d.reserve(g).unwrap();
+        let h = d.create(g).unwrap();
+        d.map(va, g, h).unwrap();
+        d.set_access(va, g).unwrap();
+        d.write(va, &[7u8; 64]).unwrap();
+        // SAFETY: the child only stores bytes and calls _exit (async-signal-safe).
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork failed");
+        if pid == 0 {
+            // SAFETY: in the child; a fault here only ends the child.
+            unsafe {
+                for i in 0..64 {
+                    std::ptr::write_volatile((va + i) as *mut u8, 0xEE);
+                }
+                libc::_exit(0);
+            }
+        }
+        let mut status = 0;
+        // SAFETY: waiting for our own child.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        let mut buf = [0u8; 64];
+        d.read(va, &mut buf).unwrap();
+        assert_eq!(buf, [7u8; 64], "the child's writes reached the parent");
+        d.unmap(va, g).unwrap();
+        d.release(h).unwrap();
+        d.free_reservation(va, g).unwrap();
+    }
+
+    #[test]
+    fn dropping_with_leaks_reports_instead_of_panicking() {
+        let d = HostDriver::with_capacity(32 << 20).unwrap();
+        let g = d.granularity();
+        let va = d.reserve(2 * g).unwrap();
+        let h = d.create(g).unwrap();
+        d.map(va, g, h).unwrap();
+        assert!(!d.leak_report().is_clean());
+        drop(d); // logs the leak and gives the OS resources back
     }
 
     #[test]

@@ -442,14 +442,25 @@ impl Arena {
         self.coalesce_insert(b);
     }
 
-    /// Forget every block (teardown).
+    /// Bytes of the dirty free blocks plus the pending blocks among `pending` (teardown's
+    /// report of memory it unmaps unfenced: after its final wait, what is left is unfenceable).
+    pub(crate) fn unfenced_bytes(&self, pending: impl Iterator<Item = u32>) -> u64 {
+        let dirty: u64 = self
+            .blocks
+            .iter()
+            .filter(|b| matches!(b.state, State::Free { owner, .. } if !owner.is_clean()))
+            .map(|b| b.size)
+            .sum();
+        dirty + pending.map(|i| self.blocks[i as usize].size).sum::<u64>()
+    }
+
+    /// Forget every block and every stream owner's free lists (teardown).
     pub(crate) fn clear(&mut self) {
         self.blocks.clear();
         self.vacant.clear();
         self.live.clear();
-        for b in &mut self.bins {
-            *b = Default::default();
-        }
+        self.bins.truncate(1);
+        self.bins[0] = Default::default();
     }
 
     /// Check the arena's own invariants (see the fields); returns sums for cross-checks.

@@ -6,6 +6,13 @@
 //! blocks become clean (owner [`OwnerId::CLEAN`]). A block used on several streams
 //! (`record_stream`) is fenced at its free with one event per stream and waits, pending,
 //! until all have completed.
+//!
+//! Owners are recycled: a stream with no dirty block and no fence is "quiet", and once the
+//! table holds [`KEEP_OWNERS`] slots a new stream takes a quiet stream's slot instead of a
+//! new one, so the table holds at most `KEEP_OWNERS` slots or one per stream with unfenced or
+//! in-flight frees, not one per stream ever seen; `by_stream` finds a stream's owner in O(1). A stream whose fence cannot be recorded (a destroyed or broken
+//! stream) keeps its frees dirty: usable by that stream only, never stitched, never unmapped
+//! while the allocator runs; the other streams go on as before.
 #![forbid(unsafe_code)]
 
 use super::arena::{Block, State};
@@ -14,9 +21,14 @@ use crate::driver::{Driver, DriverOp, EventId, Stream};
 use crate::error::Result;
 use rustc_hash::FxHashMap;
 
+/// Up to this many stream owners none is recycled: the table keeps the order of first frees,
+/// which is the order a poll fences streams in (so small stream counts behave exactly as
+/// when the table never shrank); beyond it, new streams reuse quiet streams' slots.
+pub(crate) const KEEP_OWNERS: usize = 64;
+
 /// The owner of a free block: an index into [`Fences::owners`] (and into the arena's bins).
 #[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub(crate) struct OwnerId(pub(crate) u16);
+pub(crate) struct OwnerId(pub(crate) u32);
 
 impl OwnerId {
     /// The clean pool: usable by every stream and by stitching.
@@ -35,17 +47,37 @@ impl OwnerId {
     }
 }
 
+/// Where a stream owner stands.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Standing {
+    /// A free slot, in [`Fences::reusable`]: no dirty block, no fence, in no stream's entry.
+    Idle,
+    /// Holds its stream's frees; `by_stream` maps the stream to it.
+    Active,
+    /// Like `Active`, but the last fence on its stream could not be recorded or queried
+    /// (logged once when it started failing); retried on every slow path.
+    Failing,
+    /// `retire_stream` could not fence the stream: never recorded on again, in no stream's
+    /// entry; its dirty blocks are quarantined (usable by nobody) until teardown. Has no
+    /// fence; becomes `Idle` once it holds no dirty block.
+    Retired,
+}
+
 /// One stream that has freed memory, and its fence.
 #[derive(Debug)]
 pub(crate) struct Owner {
-    /// The stream whose frees this owner holds (unused for the clean owner).
+    /// The stream whose frees this owner holds (unused for the clean owner and idle slots).
     pub(crate) stream: Stream,
     /// Frees counted on this stream so far; a free block records the count at its free
-    /// (`State::Free::seq`).
+    /// (`State::Free::seq`). Reset when the slot is reused.
     pub(crate) free_seq: u64,
     /// An event recorded on the stream, covering frees with `seq <= covered`; `covered <=
-    /// free_seq`. Always `None` for the clean owner.
+    /// free_seq`. Always `None` for the clean owner, idle and retired slots.
     pub(crate) fence: Option<(EventId, u64)>,
+    /// Whether the slot is in use and how (see [`Standing`]); `Active` for the clean owner.
+    pub(crate) standing: Standing,
+    /// Whether the slot is in [`Fences::reusable`] (at most once).
+    pub(crate) listed: bool,
 }
 
 /// A free of a block used on several streams, waiting for one event per stream.
@@ -53,16 +85,29 @@ pub(crate) struct Owner {
 pub(crate) struct PendingFree {
     /// The block, in state `Pending`; each pending block is in exactly one `PendingFree`.
     pub(crate) block: u32,
-    /// Events not yet destroyed; the block is clean once all have completed.
+    /// Events not yet destroyed; the block is clean once all have completed and `unfenced`
+    /// is empty.
     pub(crate) events: Vec<EventId>,
+    /// Streams whose event could not be recorded at the free; recorded on a later slow path.
+    pub(crate) unfenced: Vec<Stream>,
+    /// One of the streams was retired before it could be fenced: the block never becomes
+    /// clean (nobody can tell when that stream stops using it) and stays until teardown.
+    pub(crate) lost: bool,
 }
 
 /// Stream owners, pending multi-stream frees and events whose destroy must be retried.
 #[derive(Debug)]
 pub(crate) struct Fences {
-    /// `owners[0]` is the clean owner ([`OwnerId::CLEAN`]); the others are streams, one
-    /// owner per stream, in order of first free. Never shrinks; as long as the arena's bins.
+    /// `owners[0]` is the clean owner ([`OwnerId::CLEAN`]); the others are stream owners
+    /// and idle slots. As long as the arena's bins; never shrinks, but slots are reused, so
+    /// it is as long as the most streams that had dirty memory or a fence at one time.
     pub(crate) owners: Vec<Owner>,
+    /// stream -> owner, for exactly the `Active` and `Failing` owners (one per stream).
+    by_stream: FxHashMap<Stream, OwnerId>,
+    /// Slots a new stream may take, last-in first-out: every `Idle` slot, and owners that
+    /// were quiet (no dirty block, no fence) when last polled; those may have freed again
+    /// since, which is checked when they are taken. Exactly the owners with `listed` set.
+    reusable: Vec<OwnerId>,
     /// Multi-stream frees, in no particular order.
     pub(crate) pending: Vec<PendingFree>,
     /// Completed events whose destroy failed; retried on later slow paths and at teardown,
@@ -80,25 +125,59 @@ impl Fences {
                 stream: Stream::sim(u64::MAX),
                 free_seq: 0,
                 fence: None,
+                standing: Standing::Active,
+                listed: false,
             }],
+            by_stream: FxHashMap::default(),
+            reusable: Vec::new(),
             pending: Vec::new(),
             undestroyed_events: Vec::new(),
             extra_streams: FxHashMap::default(),
         }
     }
 
-    /// Whether any stream has ever freed memory (otherwise only the clean owner exists).
+    /// Whether any stream holds dirty memory or a fence (otherwise no lookup is needed).
     #[inline]
     pub(crate) fn has_streams(&self) -> bool {
-        self.owners.len() > 1
+        !self.by_stream.is_empty()
     }
 
-    /// The owner holding `stream`'s frees, if it ever freed anything.
+    /// The owner holding `stream`'s frees, if it has unfenced or in-flight ones.
+    #[inline]
     pub(crate) fn owner_index(&self, stream: Stream) -> Option<OwnerId> {
-        self.owners[1..]
-            .iter()
-            .position(|o| o.stream == stream)
-            .map(|i| OwnerId(i as u16 + 1))
+        self.by_stream.get(&stream).copied()
+    }
+
+    /// Forget every stream owner (teardown, once their fences are destroyed).
+    pub(crate) fn clear_owners(&mut self) {
+        self.owners.truncate(1);
+        self.by_stream.clear();
+        self.reusable.clear();
+    }
+
+    /// Take owner `k` (a stream owner) out of its stream's entry: `Retired`, or `Idle` when
+    /// it holds no dirty block. Its fence must be gone.
+    fn detach(&mut self, k: OwnerId, dirty: bool) {
+        let o = &mut self.owners[k.index()];
+        debug_assert!(o.fence.is_none());
+        if matches!(o.standing, Standing::Active | Standing::Failing) {
+            self.by_stream.remove(&o.stream);
+        }
+        if dirty {
+            o.standing = Standing::Retired;
+        } else {
+            o.standing = Standing::Idle;
+            self.list(k);
+        }
+    }
+
+    /// Put owner `k` in `reusable` unless it is there.
+    fn list(&mut self, k: OwnerId) {
+        let o = &mut self.owners[k.index()];
+        if !o.listed {
+            o.listed = true;
+            self.reusable.push(k);
+        }
     }
 
     pub(crate) fn owner(&self, k: OwnerId) -> &Owner {
@@ -124,14 +203,53 @@ impl Fences {
         if self.owners[0].fence.is_some() {
             return Err("the clean owner has a fence".into());
         }
-        for (k, o) in self.owners.iter().enumerate() {
+        if self.owners.len() > u32::MAX as usize {
+            return Err("owner ids overflow".into());
+        }
+        let mut dirty = vec![false; self.owners.len()];
+        for b in blocks {
+            if let State::Free { owner, .. } = b.state {
+                if let Some(x) = dirty.get_mut(owner.index()) {
+                    *x = true;
+                }
+            }
+        }
+        let (mut listed, mut mapped) = (0, 0);
+        for (k, o) in self.owners.iter().enumerate().skip(1) {
             if let Some((_, covered)) = o.fence {
                 if covered > o.free_seq {
                     return Err(format!("owner {k}'s fence covers frees not yet made"));
                 }
             }
+            let entry = self.by_stream.get(&o.stream) == Some(&OwnerId(k as u32));
+            if o.listed {
+                listed += 1;
+                if !self.reusable.contains(&OwnerId(k as u32)) {
+                    return Err(format!("owner {k} is listed but not in the reusable slots"));
+                }
+            }
+            let ok = match o.standing {
+                Standing::Idle => !dirty[k] && o.fence.is_none() && o.listed,
+                Standing::Active | Standing::Failing => {
+                    mapped += 1;
+                    entry
+                }
+                Standing::Retired => !entry && o.fence.is_none() && dirty[k],
+            };
+            if !ok {
+                return Err(format!("owner {k} ({:?}) breaks its standing", o.standing));
+            }
+        }
+        if listed != self.reusable.len() || mapped != self.by_stream.len() {
+            return Err("the reusable slots or the stream map disagree with the owners".into());
         }
         for p in &self.pending {
+            if p.lost && !p.unfenced.is_empty() {
+                return Err(format!(
+                    "lost pending free of block {} has streams to fence",
+                    p.block
+                ));
+            }
             if blocks.get(p.block as usize).map(|b| b.state) != Some(State::Pending) {
                 return Err(format!(
                     "pending free of block {} that is not pending",
@@ -157,18 +275,97 @@ impl Fences {
 }
 
 impl Engine {
-    /// The owner for frees on `stream`, created (with its free lists) at its first free.
+    /// The owner for frees on `stream`: its own, else (once the table holds `KEEP_OWNERS`
+    /// slots) a reusable one, else a new one (with its free lists).
     pub(super) fn owner_for(&mut self, stream: Stream) -> OwnerId {
         if let Some(o) = self.fences.owner_index(stream) {
             return o;
         }
-        self.fences.owners.push(Owner {
+        let reused = if self.fences.owners.len() > KEEP_OWNERS {
+            self.take_reusable()
+        } else {
+            None
+        };
+        let k = match reused {
+            Some(k) => k,
+            None => {
+                let k = u32::try_from(self.fences.owners.len()).expect("at most 2^32 owners");
+                self.fences.owners.push(Owner {
+                    stream,
+                    free_seq: 0,
+                    fence: None,
+                    standing: Standing::Idle,
+                    listed: false,
+                });
+                self.arena.add_owner();
+                OwnerId(k)
+            }
+        };
+        let o = self.fences.owner_mut(k);
+        debug_assert_eq!(o.standing, Standing::Idle);
+        *o = Owner {
             stream,
             free_seq: 0,
             fence: None,
-        });
-        self.arena.add_owner();
-        OwnerId(self.fences.owners.len() as u16 - 1)
+            standing: Standing::Active,
+            listed: false,
+        };
+        self.fences.by_stream.insert(stream, k);
+        k
+    }
+
+    /// A slot for a new stream from `reusable`, made `Idle` (a quiet owner leaves its
+    /// stream's entry); `None` if every listed one is busy again.
+    fn take_reusable(&mut self) -> Option<OwnerId> {
+        while let Some(k) = self.fences.reusable.pop() {
+            self.fences.owner_mut(k).listed = false;
+            let o = self.fences.owner(k);
+            match o.standing {
+                Standing::Idle => return Some(k),
+                Standing::Active | Standing::Failing if o.fence.is_none() && !self.has_dirty(k) => {
+                    let stream = o.stream;
+                    self.fences.by_stream.remove(&stream);
+                    self.fences.owner_mut(k).standing = Standing::Idle;
+                    return Some(k);
+                }
+                _ => {} // busy again: listed anew when next found quiet
+            }
+        }
+        None
+    }
+
+    /// Whether owner `k` holds a dirty free block.
+    fn has_dirty(&self, k: OwnerId) -> bool {
+        self.arena.bins[k.index()].iter().any(|b| b.count > 0)
+    }
+
+    /// Owner `k`'s stream could not be fenced: note it (logged when it starts failing).
+    fn fence_failed(&mut self, k: OwnerId, err: &dyn std::fmt::Display) {
+        let o = self.fences.owner_mut(k);
+        if o.standing == Standing::Active {
+            o.standing = Standing::Failing;
+            tracing::warn!(
+                err = %err,
+                stream = o.stream.raw(),
+                "cannot fence a stream: its frees stay usable by it only until a fence works"
+            );
+        }
+    }
+
+    /// Never fence owner `k`'s stream again (`retire_stream` failed): its dirty blocks are
+    /// quarantined until teardown.
+    fn retire_owner<D: Driver + ?Sized>(&mut self, d: &D, k: OwnerId) {
+        if let Some((e, _)) = self.fences.owner_mut(k).fence.take() {
+            self.destroy_event(d, e);
+        }
+        let dirty = self.has_dirty(k);
+        if dirty {
+            tracing::error!(
+                stream = self.fences.owner(k).stream.raw(),
+                "a retired stream could not be fenced: its freed memory is quarantined"
+            );
+        }
+        self.fences.detach(k, dirty);
     }
 
     /// Destroy an event; if the driver refuses, keep it to retry later (never leak it).
@@ -187,7 +384,8 @@ impl Engine {
     }
 
     /// Fence streams with unfenced frees, and make clean whatever has completed. With
-    /// `wait`, block until every free so far is clean.
+    /// `wait`, block until every free so far is clean, except those of streams that cannot
+    /// be fenced (they stay dirty; see the module docs).
     pub(super) fn poll<D: Driver + ?Sized>(&mut self, d: &D, wait: bool) -> Result<()> {
         if !self.fences.undestroyed_events.is_empty() {
             self.retry_undestroyed_events(d);
@@ -196,15 +394,23 @@ impl Engine {
             self.retry_quarantine(d);
         }
         for k in 1..self.fences.owners.len() {
-            self.poll_owner(d, OwnerId(k as u16), wait)?;
+            let k = OwnerId(k as u32);
+            if self.fences.owner(k).standing != Standing::Idle {
+                // A failure is contained to that stream's owner (see `poll_owner`).
+                let _ = self.poll_owner(d, k, wait);
+            }
         }
         if !self.ghosts.is_empty() {
             self.poll_ghosts(d, wait)?;
         }
-        self.poll_pending(d, wait)
+        self.poll_pending(d, wait);
+        Ok(())
     }
 
-    /// Fence stream owner `k`'s frees and make clean what has completed (see `poll`).
+    /// Fence stream owner `k`'s frees and make clean what has completed (see `poll`); an
+    /// owner left quiet (no dirty block, no fence) becomes reusable. An error
+    /// (recording or querying its fence failed) leaves its dirty blocks dirty and marks it
+    /// `Failing`; retried on the next call.
     pub(super) fn poll_owner<D: Driver + ?Sized>(
         &mut self,
         d: &D,
@@ -212,25 +418,56 @@ impl Engine {
         wait: bool,
     ) -> Result<()> {
         loop {
-            let dirty = self.arena.bins[k.index()].iter().any(|b| b.count > 0);
+            let dirty = self.has_dirty(k);
             if self.fences.owner(k).fence.is_none() {
                 if !dirty {
                     break;
                 }
+                if self.fences.owner(k).standing == Standing::Retired {
+                    return Ok(());
+                }
                 let s = self.fences.owner(k).stream;
-                let e = self.driver_call(DriverOp::RecordEvent, || d.record_event(s))?;
+                let e = match self.driver_call(DriverOp::RecordEvent, || d.record_event(s)) {
+                    Ok(e) => e,
+                    Err(err) => {
+                        self.fence_failed(k, &err);
+                        return Err(err.into());
+                    }
+                };
                 let covered = self.fences.owner(k).free_seq;
-                self.fences.owner_mut(k).fence = Some((e, covered));
+                let o = self.fences.owner_mut(k);
+                o.fence = Some((e, covered));
+                if o.standing == Standing::Failing {
+                    tracing::info!(
+                        stream = s.raw(),
+                        "a stream that could not be fenced can again"
+                    );
+                    o.standing = Standing::Active;
+                }
             }
             let (e, covered) = self.fences.owner(k).fence.expect("fence set above");
-            let done = self.event_done(d, e, wait)?;
+            let done = match self.event_done(d, e, wait) {
+                Ok(done) => done,
+                Err(err) => {
+                    // A broken event: drop it; its frees stay dirty until a new fence works.
+                    self.fences.owner_mut(k).fence = None;
+                    self.destroy_event(d, e);
+                    self.fence_failed(k, &err);
+                    return Err(err);
+                }
+            };
             if !done {
-                break;
+                return Ok(());
             }
             self.fences.owner_mut(k).fence = None;
             self.destroy_event(d, e);
             self.arena.make_clean(k, covered);
             // Frees after the fence are still dirty: go round and fence them too.
+        }
+        if self.fences.owner(k).standing == Standing::Retired {
+            self.fences.detach(k, false); // nothing left to quarantine
+        } else {
+            self.fences.list(k);
         }
         Ok(())
     }
@@ -251,20 +488,51 @@ impl Engine {
         }
     }
 
-    /// Make clean the multi-stream frees whose events have all completed (all, with `wait`).
-    pub(super) fn poll_pending<D: Driver + ?Sized>(&mut self, d: &D, wait: bool) -> Result<()> {
-        let mut j = 0;
-        while j < self.fences.pending.len() {
-            let mut all = true;
-            for idx in 0..self.fences.pending[j].events.len() {
-                let e = self.fences.pending[j].events[idx];
-                let done = self.event_done(d, e, wait)?;
-                if !done {
-                    all = false;
-                    break;
+    /// Fence the streams of multi-stream free `j` not fenced yet; whether all its events
+    /// have completed (waiting for them with `wait`). Failures are logged and leave it
+    /// pending.
+    fn pending_done<D: Driver + ?Sized>(&mut self, d: &D, j: usize, wait: bool) -> bool {
+        if self.fences.pending[j].lost {
+            return false;
+        }
+        let mut i = 0;
+        while i < self.fences.pending[j].unfenced.len() {
+            let s = self.fences.pending[j].unfenced[i];
+            match self.driver_call(DriverOp::RecordEvent, || d.record_event(s)) {
+                Ok(e) => {
+                    let p = &mut self.fences.pending[j];
+                    p.events.push(e);
+                    p.unfenced.swap_remove(i);
+                }
+                Err(err) => {
+                    tracing::debug!(%err, stream = s.raw(), "still cannot fence a pending free");
+                    i += 1;
                 }
             }
-            if all {
+        }
+        if !self.fences.pending[j].unfenced.is_empty() {
+            return false;
+        }
+        for idx in 0..self.fences.pending[j].events.len() {
+            let e = self.fences.pending[j].events[idx];
+            match self.event_done(d, e, wait) {
+                Ok(true) => {}
+                Ok(false) => return false,
+                Err(err) => {
+                    tracing::warn!(%err, "querying the event of a pending free failed");
+                    return false;
+                }
+            }
+        }
+        true
+    }
+
+    /// Make clean the multi-stream frees whose events have all completed (all, with `wait`,
+    /// but those that cannot be fenced).
+    pub(super) fn poll_pending<D: Driver + ?Sized>(&mut self, d: &D, wait: bool) {
+        let mut j = 0;
+        while j < self.fences.pending.len() {
+            if self.pending_done(d, j, wait) {
                 let p = self.fences.pending.swap_remove(j);
                 for e in p.events {
                     self.destroy_event(d, e);
@@ -280,6 +548,53 @@ impl Engine {
                 j += 1;
             }
         }
-        Ok(())
+    }
+
+    /// `retire_stream`'s work on the fences: fence `stream`'s frees and wait for them; what
+    /// cannot be fenced is quarantined for good (so `stream` is never recorded on again) and
+    /// the first error returned.
+    pub(super) fn retire_fences<D: Driver + ?Sized>(
+        &mut self,
+        d: &D,
+        stream: Stream,
+    ) -> Result<()> {
+        let mut result = Ok(());
+        if let Some(k) = self.fences.owner_index(stream) {
+            if let Err(e) = self.poll_owner(d, k, true) {
+                self.retire_owner(d, k);
+                result = Err(e);
+            }
+        }
+        for j in 0..self.fences.pending.len() {
+            let p = &self.fences.pending[j];
+            if !p.unfenced.contains(&stream) {
+                continue;
+            }
+            match self.driver_call(DriverOp::RecordEvent, || d.record_event(stream)) {
+                Ok(e) => {
+                    let p = &mut self.fences.pending[j];
+                    p.events.push(e);
+                    p.unfenced.retain(|&s| s != stream);
+                }
+                Err(err) => {
+                    tracing::error!(
+                        %err,
+                        stream = stream.raw(),
+                        "a retired stream could not be fenced: a freed block is quarantined"
+                    );
+                    let p = &mut self.fences.pending[j];
+                    p.lost = true;
+                    p.unfenced.clear();
+                    if result.is_ok() {
+                        result = Err(err.into());
+                    }
+                }
+            }
+        }
+        let uses = |p: &PendingFree| !p.events.is_empty() && !p.lost;
+        if self.fences.pending.iter().any(uses) {
+            self.poll_pending(d, true);
+        }
+        result
     }
 }

@@ -128,9 +128,18 @@ impl Engine {
                 if behind.contains(&stream) {
                     continue;
                 }
-                if !self.event_done(d, e, wait)? {
-                    behind.push(stream);
-                    continue;
+                match self.event_done(d, e, wait) {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        behind.push(stream);
+                        continue;
+                    }
+                    Err(err) => {
+                        // Contained to this stream: its old mappings stay until a later try.
+                        tracing::warn!(%err, "querying the event of old mappings failed");
+                        behind.push(stream);
+                        continue;
+                    }
                 }
             }
             let mut left = false;

@@ -1,9 +1,10 @@
 //! Giving memory back: `empty_cache` (every free handle) and `teardown` (everything).
 #![forbid(unsafe_code)]
 
+use super::arena::State;
 use super::policy::stitch_candidates;
 use super::Engine;
-use crate::driver::{Driver, DriverOp};
+use crate::driver::{Driver, DriverOp, Stream};
 use crate::error::{AllocError, Result};
 
 impl Engine {
@@ -20,11 +21,59 @@ impl Engine {
         Ok(released)
     }
 
+    /// Wait for the work queued on live allocations (on the stream each was allocated on
+    /// and on those `record_stream` added) before teardown unmaps them. A stream that cannot
+    /// be fenced is logged; its memory is unmapped anyway (the allocator is going away).
+    fn wait_for_live_work<D: Driver + ?Sized>(&mut self, d: &D) {
+        let mut streams: Vec<Stream> = self
+            .arena
+            .live
+            .values()
+            .filter_map(|&i| match self.arena.blocks[i as usize].state {
+                State::Live { stream, .. } => Some(stream),
+                _ => None,
+            })
+            .collect();
+        streams.extend(self.fences.extra_streams.values().flatten().copied());
+        streams.sort();
+        streams.dedup();
+        for s in streams {
+            match self.driver_call(DriverOp::RecordEvent, || d.record_event(s)) {
+                Ok(e) => {
+                    match self.driver_call(DriverOp::WaitEvent, || d.wait_event(e)) {
+                        Ok(()) => self.stats.event_waits += 1,
+                        Err(err) => tracing::error!(
+                            %err,
+                            stream = s.raw(),
+                            "waiting for work on live memory failed during teardown"
+                        ),
+                    }
+                    self.destroy_event(d, e);
+                }
+                Err(err) => tracing::error!(
+                    %err,
+                    stream = s.raw(),
+                    "cannot wait for work on live memory during teardown"
+                ),
+            }
+        }
+    }
+
     /// Give everything back to the driver. Returns (leaked allocations, their bytes).
     pub(crate) fn teardown<D: Driver + ?Sized>(&mut self, d: &D) -> (u64, u64) {
         let leaked = (self.arena.live.len() as u64, self.stats.requested.current);
         if let Err(e) = self.poll(d, true) {
             tracing::error!(%e, "waiting for outstanding frees failed during teardown");
+        }
+        self.wait_for_live_work(d);
+        let unfenced = self
+            .arena
+            .unfenced_bytes(self.fences.pending.iter().map(|p| p.block));
+        if unfenced > 0 {
+            tracing::error!(
+                bytes = unfenced,
+                "teardown unmaps memory freed on streams that could not be fenced"
+            );
         }
         for k in 1..self.fences.owners.len() {
             if let Some((e, _)) = self.fences.owners[k].fence.take() {
@@ -71,6 +120,7 @@ impl Engine {
             }
         }
         self.arena.clear();
+        self.fences.clear_owners();
         self.fences.extra_streams.clear();
         // Leaked allocations are gone with their memory.
         let s = &mut self.stats;
