@@ -463,12 +463,15 @@ mod tests {
     fn runtime_auto_is_cuda_or_an_error() {
         for conf in ["backend:auto", ""] {
             let rt = Runtime::new(conf);
-            match rt.allocator(0) {
-                Ok(_) => assert!(CudaDriver::available()),
+            match rt.with_alloc("test", 0, |_, _| ()) {
+                Ok(()) => assert!(CudaDriver::available()),
                 Err(e) => {
                     assert!(!CudaDriver::available(), "{e}");
                     assert!(e.contains("no usable CUDA device"), "{e}");
-                    assert!(e.contains("backend:host") && e.contains("backend:sim"), "{e}");
+                    assert!(
+                        e.contains("backend:host") && e.contains("backend:sim"),
+                        "{e}"
+                    );
                 }
             }
         }
