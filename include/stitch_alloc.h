@@ -5,7 +5,7 @@
  * handles are remapped ("stitched") into contiguous spans, so an allocation succeeds
  * whenever enough free memory exists anywhere on the device.
  *
- * Build:  cargo build --release      ->  target/release/libstitch_alloc.so
+ * Build:  cargo build --release --features capi  ->  target/release/libstitch_alloc.so
  * Link:   cc -I include app.c -L target/release -lstitch_alloc -Wl,-rpath,target/release
  *
  * PyTorch (torch 2.11) loads stitch_malloc / stitch_free through

@@ -72,8 +72,8 @@ for line in sys.stdin:
     echo "== cargo test --release --no-run"
     local list
     list=$(cargo test --release --no-run --message-format=json | python3 -c "$parse")
-    echo "== cargo build --release --bins --benches"
-    list+=$'\n'$(cargo build --release --bins --benches --message-format=json | python3 -c "$parse")
+    echo "== cargo build --release --features cli,capi --bins --benches"
+    list+=$'\n'$(cargo build --release --features cli,capi --bins --benches --message-format=json | python3 -c "$parse")
 
     local kind name path n=0
     while IFS=$'\t' read -r kind name path; do

@@ -2,7 +2,7 @@
 # Replays every shipped trace and snapshot (plus generated full-size traces) on sim and host,
 # with and without --gpu-lag, and writes one JSON per run with wall-clock keys removed, so a
 # refactor can be proven to change no figure: run before and after, then `diff -r`.
-# usage: scripts/replay-baseline.sh OUT_DIR [STITCH_BIN]
+# usage: scripts/replay-baseline.sh OUT_DIR [STITCH_BIN]   (build: cargo build --release --features cli)
 set -euo pipefail
 out=${1:?usage: replay-baseline.sh OUT_DIR [STITCH_BIN]}
 bin=${2:-target/release/stitch}

@@ -21,7 +21,7 @@ workload's temporaries are gone), next to the memory that is in principle availa
 
 Prints a table and writes JSON (``--out``). Needs torch (CUDA) and transformers; no
 network (no weights are downloaded). Run from the repository root after
-``cargo build --release`` (or pass ``--lib``)::
+``cargo build --release --features capi`` (or pass ``--lib``)::
 
     python3 scripts/torch-validate.py --out design/torch-validate.json
     python3 scripts/torch-validate.py --quick            # a smoke run, about a minute

@@ -377,7 +377,8 @@ fn bad_config_is_refused() {
 #[test]
 fn host_backend_keeps_bytes_across_stitching() {
     let dev = HostDriver::with_capacity(256 * MIB).unwrap();
-    let mut h = Harness::new(dev, Config::default()).unwrap();
+    // Remapping, not release and re-create: the bytes of moved handles must survive.
+    let mut h = Harness::new(dev, remapping()).unwrap();
     for _ in 0..8 {
         h.apply(Op::Alloc {
             size: 30 * MIB,

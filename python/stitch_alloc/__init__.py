@@ -154,7 +154,7 @@ def find_library(path=None):
         if os.path.isfile(p):
             return os.path.abspath(p)
     raise FileNotFoundError(
-        "stitch_alloc: libstitch_alloc.so not found; build it with `cargo build --release` "
+        "stitch_alloc: libstitch_alloc.so not found; build it with `cargo build --release --features capi` "
         f"or set {LIB_ENV}. Tried: " + ", ".join(tried)
     )
 
@@ -244,13 +244,12 @@ def enable(path=None, conf=None):
                     stacklevel=2,
                 )
             return _torch_allocator
-        import torch  # noqa: PLC0415 (only enable() needs torch)
-
         if conf is not None:
             os.environ[CONF_ENV] = conf
         lib_path = find_library(path)
         lib = load_library(lib_path)
-        # Reads the configuration now: a bad one is an error here, not a NULL per tensor.
+        # Reads the configuration now (no driver is touched before the first allocation): a
+        # bad one is an error here, not a NULL per tensor.
         lib.stitch_clear_error()
         if lib.stitch_stats_json(0) is None:
             raise ValueError(f"stitch_alloc.enable: {_err(lib)}")
@@ -260,6 +259,22 @@ def enable(path=None, conf=None):
                 f"stitch_alloc.enable: the library was configured earlier in this process "
                 f"with {doc['conf']!r}; conf={conf!r} has no effect",
                 stacklevel=2,
+            )
+        # torch takes every pointer as device memory: host memory or the simulator's fake
+        # addresses would crash its first kernel. Refuse them before torch is even imported.
+        if doc["backend"] not in ("cuda", "auto"):
+            raise ValueError(
+                f"stitch_alloc.enable: backend {doc['backend']!r} hands out host or simulated "
+                "memory, which torch would use as device memory; under torch use backend:cuda "
+                "(or auto, which is CUDA or an error). The host and sim backends are for the "
+                "library's own tests and the stitch command."
+            )
+        import torch  # noqa: PLC0415 (only enable() needs torch)
+
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "stitch_alloc.enable: torch finds no CUDA device; stitch-alloc serves CUDA "
+                "memory only"
             )
 
         alloc = torch.cuda.memory.CUDAPluggableAllocator(lib_path, "stitch_malloc", "stitch_free")

@@ -41,7 +41,7 @@ def _find():
 def libpath():
     p = _find()
     if p is None:
-        pytest.skip("libstitch_alloc.so is not built (cargo build --release, or set STITCH_ALLOC_LIB)")
+        pytest.skip("libstitch_alloc.so is not built (cargo build --release --features capi, or set STITCH_ALLOC_LIB)")
     return p
 
 

@@ -159,9 +159,28 @@ def test_enable_without_torch_says_so(libpath):
     )
     r = subprocess.run(
         [sys.executable, "-c", code],
-        env=subprocess_env(libpath, "backend:host"),
+        env=subprocess_env(libpath, "backend:cuda"),
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert "IMPORT-ERROR" in r.stdout, r.stdout + r.stderr
+
+
+def test_enable_refuses_cpu_backends(libpath):
+    """Issue #13.4: under torch every pointer is taken as device memory, so enable() refuses
+    the host and sim backends (before torch is imported: no torch is needed to see it)."""
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import stitch_alloc\n"
+        "try:\n    stitch_alloc.enable()\nexcept ValueError as e:\n    print('REFUSED', e)\n"
+    )
+    for backend in ("host", "sim"):
+        r = subprocess.run(
+            [sys.executable, "-c", code],
+            env=subprocess_env(libpath, f"backend:{backend}"),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert "REFUSED" in r.stdout and "backend:cuda" in r.stdout, r.stdout + r.stderr
