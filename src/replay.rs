@@ -156,6 +156,8 @@ pub struct ReplayReport {
     pub stitches: u64,
     /// Handles moved by stitching.
     pub stitched_handles: u64,
+    /// Clean handles released by stitching to create the span's memory anew.
+    pub recreated_handles: u64,
     /// Slow paths that grew a free block in place instead of building a new span.
     pub extensions: u64,
     /// Handles created.
@@ -498,6 +500,7 @@ pub fn replay<D: Driver>(
     r.events_per_sec = r.events as f64 / replay_secs;
     r.stitches = s.stitches;
     r.stitched_handles = s.stitched_handles;
+    r.recreated_handles = s.recreated_handles;
     r.extensions = s.extensions;
     r.handles_created = s.handles_created;
     r.handles_released = s.handles_released;

@@ -107,6 +107,9 @@ pub struct Stats {
     pub extensions: u64,
     /// Handles moved by stitching.
     pub stitched_handles: u64,
+    /// Clean handles that stitching released so as to create the span's memory anew,
+    /// instead of moving them (`Config::recreate`); such a slow path counts as a stitch.
+    pub recreated_handles: u64,
     /// Of those, handles moved while device work queued before their free could still be
     /// using them: mapped at the new address at once (an alias; work on the freeing stream
     /// stays ordered), the old mapping removed once that work has completed. No CPU wait.
@@ -227,6 +230,7 @@ impl fmt::Display for Stats {
             ("  on the slow path", self.slow_allocs),
             ("Stitches", self.stitches),
             ("  handles moved", self.stitched_handles),
+            ("  handles re-created", self.recreated_handles),
             ("In-place extensions", self.extensions),
             ("Handles now", self.handles),
             ("  created", self.handles_created),

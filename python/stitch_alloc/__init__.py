@@ -392,7 +392,7 @@ def memory_stats(device=None):
     ``requested_bytes.all.*``, ``active_bytes.all.current``, ``allocation.all.*``,
     ``segment.all.*`` (physical handles), ``inactive_split_bytes.all.current``, ``num_ooms``,
     ``num_alloc_retries``, ``num_device_alloc``, ``num_device_free``), plus the allocator's
-    own: ``stitches``, ``stitched_handles``, ``extensions``, ``stranded_bytes``,
+    own: ``stitches``, ``stitched_handles``, ``recreated_handles``, ``extensions``, ``stranded_bytes``,
     ``driver_calls``, ``vmm_calls``, ``driver_time_us`` (wall time inside the driver),
     ``capacity``, ``largest_free_span``, ``free_bytes``,
     ``free_handle_bytes``, ``handles``, ``fast_allocs``, ``slow_allocs``, ``event_waits``,
@@ -408,6 +408,7 @@ def memory_stats(device=None):
         {
             "stitches": s["stitches"],
             "stitched_handles": s["stitched_handles"],
+            "recreated_handles": s.get("recreated_handles", 0),
             "extensions": s["extensions"],
             "stranded_bytes": f["stranded_bytes"],
             "driver_calls": doc["driver_calls"],
@@ -475,7 +476,8 @@ def memory_summary(device=None):
         "-" * w,
         f" allocations {s['allocs']}, frees {s['frees']}; fast path {s['fast_allocs']}, "
         f"slow path {s['slow_allocs']}",
-        f" stitches {s['stitches']} ({s['stitched_handles']} handles moved), "
+        f" stitches {s['stitches']} ({s['stitched_handles']} handles moved, "
+        f"{s.get('recreated_handles', 0)} re-created), "
         f"extensions {s['extensions']}",
         f" handles: {s['handles']} now, {s['handles_created']} created, "
         f"{s['handles_released']} released",

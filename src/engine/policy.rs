@@ -52,6 +52,9 @@ pub(crate) struct BuildPlan {
     pub(crate) create: Create,
     /// The largest handle to create (see [`handle_size`]).
     pub(crate) handle_size: u64,
+    /// How many clean handles the step before released for this build to create anew
+    /// (a stitch by re-creation, `Config::recreate`); 0 otherwise.
+    pub(crate) recreated: u64,
     pub(crate) pool: Pool,
     /// Map right after this clean free block, which ends its run, and grow it.
     pub(crate) extend: Option<u32>,
@@ -239,6 +242,7 @@ impl StitchPolicy {
                 chosen,
                 create: Create::Exact(create),
                 handle_size: hsize,
+                recreated: 0,
                 pool: Pool::Large,
                 extend,
                 short_without_room: false,
@@ -296,8 +300,13 @@ impl StitchPolicy {
                 .partition(|c| c.owner.is_clean() && ctx.handles.record(c.handle).ghosts == 0);
             if release.len() >= 2 {
                 let kept: u64 = keep.iter().map(|c| c.size).sum();
+                let released = release.len() as u64;
                 steps.push(Step::Release(release));
-                steps.push(build(keep, need.saturating_sub(kept).max(create), None));
+                let mut b = build(keep, need.saturating_sub(kept).max(create), None);
+                if let Step::Build(p) = &mut b {
+                    p.recreated = released;
+                }
+                steps.push(b);
                 return steps;
             }
         }
@@ -323,6 +332,7 @@ impl StitchPolicy {
             chosen: Vec::new(),
             create: Create::AtLeast(need),
             handle_size: ctx.cfg.max_handle,
+            recreated: 0,
             pool: Pool::Large,
             extend: None,
             short_without_room: false,
@@ -353,6 +363,7 @@ impl StitchPolicy {
                 chosen,
                 create: Create::Exact(create),
                 handle_size: ctx.cfg.max_handle,
+                recreated: 0,
                 pool,
                 extend: None,
                 short_without_room,

@@ -61,7 +61,15 @@ impl Engine {
         if b.short_without_room && create > self.headroom() {
             return Ok(Grow::Short);
         }
-        self.build(d, b.chosen, create, b.handle_size, b.pool, b.extend)
+        let stitches = self.stats.stitches;
+        let r = self.build(d, b.chosen, create, b.handle_size, b.pool, b.extend)?;
+        if r == Grow::Done && b.recreated > 0 {
+            if self.stats.stitches == stitches {
+                self.stats.stitches += 1;
+            }
+            self.stats.recreated_handles += b.recreated;
+        }
+        Ok(r)
     }
 
     /// Turn a free mapped handle into a page of `pool` where it sits.
