@@ -269,13 +269,10 @@ def enable(path=None, conf=None):
                 "(or auto, which is CUDA or an error). The host and sim backends are for the "
                 "library's own tests and the stitch command."
             )
+        # No torch.cuda call here: asking torch for devices initialises CUDA, and a process
+        # forked after enable() could not use CUDA any more. Without a usable GPU the first
+        # allocation fails with the reason (backend auto and cuda are CUDA or an error).
         import torch  # noqa: PLC0415 (only enable() needs torch)
-
-        if not torch.cuda.is_available():
-            raise RuntimeError(
-                "stitch_alloc.enable: torch finds no CUDA device; stitch-alloc serves CUDA "
-                "memory only"
-            )
 
         alloc = torch.cuda.memory.CUDAPluggableAllocator(lib_path, "stitch_malloc", "stitch_free")
         native = alloc.allocator()
