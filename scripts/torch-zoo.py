@@ -509,11 +509,17 @@ def main(argv=None):
         meta.update({"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0)})
     except Exception:  # noqa: BLE001 (the table is still useful without it)
         pass
-    try:
-        meta["commit"] = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"],
-                                        capture_output=True, text=True).stdout.strip()
-    except OSError:
-        pass
+    # The commit the bundle was built from (the GPU machine's copy has no git history).
+    bundle = os.path.join(REPO, ".gpu", "COMMIT")
+    if os.path.isfile(bundle):
+        with open(bundle) as f:
+            meta["commit"] = f.read().strip()
+    else:
+        try:
+            meta["commit"] = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"],
+                                            capture_output=True, text=True).stdout.strip()
+        except OSError:
+            pass
     text = table(results)
     with open(os.path.join(a.out, "zoo.json"), "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1)
