@@ -29,11 +29,9 @@ fn remapping() -> Config {
     c
 }
 
-#[test]
-fn checkerboard_largest_allocation_is_all_free_memory() {
-    let (d, a) = sim_with(SimDriver::new().mem_info().unwrap().total, remapping());
-    let cap = a.capacity();
-    // Fill with 100-300 MiB tensors.
+/// Fill the device with 100-300 MiB tensors, then free every other one (from the first):
+/// every allocation made, with its size.
+fn checkerboard(a: &Allocator<Arc<SimDriver>>) -> Vec<(DevicePtr, u64)> {
     let mut ptrs = Vec::new();
     let mut i = 0u64;
     loop {
@@ -48,6 +46,14 @@ fn checkerboard_largest_allocation_is_all_free_memory() {
     for (p, _) in ptrs.iter().step_by(2) {
         a.free(*p, S0).unwrap();
     }
+    ptrs
+}
+
+#[test]
+fn checkerboard_largest_allocation_is_all_free_memory() {
+    let (d, a) = sim_with(SimDriver::new().mem_info().unwrap().total, remapping());
+    let cap = a.capacity();
+    let ptrs = checkerboard(&a);
     let live_handles = a.detailed_stats().live_handle_bytes;
     let free = cap - live_handles;
     let before = d.calls();
@@ -554,20 +560,7 @@ fn checkerboard_with_the_default_policy_recreates_instead_of_remapping() {
     // live tensors.
     let (d, a) = sim(SimDriver::new().mem_info().unwrap().total);
     let cap = a.capacity();
-    let mut ptrs = Vec::new();
-    let mut i = 0u64;
-    loop {
-        let size = (100 + (i * 37) % 201) * MIB;
-        match a.alloc(size, S0) {
-            Ok(p) => ptrs.push(p),
-            Err(AllocError::OutOfMemory(_)) => break,
-            Err(e) => panic!("{e}"),
-        }
-        i += 1;
-    }
-    for p in ptrs.iter().step_by(2) {
-        a.free(*p, S0).unwrap();
-    }
+    let ptrs: Vec<DevicePtr> = checkerboard(&a).into_iter().map(|(p, _)| p).collect();
     let free = cap - a.detailed_stats().live_handle_bytes;
     let released_before = a.stats().handles_released;
     let before = d.calls();
