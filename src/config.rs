@@ -133,6 +133,13 @@ pub struct Config {
     /// Upper bound on all reservations together (default 32 TiB; the process limit is 128).
     #[serde(deserialize_with = "de_size")]
     pub va_limit: u64,
+    /// Pre-allocation: bytes of physical memory created and mapped when the allocator starts
+    /// (rounded up to the granularity; default 0), as one free span. A loop whose peak fits
+    /// in it then makes no driver call after warm-up: its allocations are carved out of the
+    /// span and its frees coalesce back (the lecture's memory pool). Reported as
+    /// `Stats::preallocated`; at most the capacity.
+    #[serde(deserialize_with = "de_size")]
+    pub prealloc: u64,
     /// Check every invariant after each operation (slow; for tests and fuzzing).
     #[serde(deserialize_with = "de_flag")]
     pub paranoid: bool,
@@ -156,6 +163,7 @@ impl Default for Config {
             reserve_slack_min: 0,
             va_chunk: None,
             va_limit: 32 << 40,
+            prealloc: 0,
             paranoid: false,
         }
     }
@@ -232,6 +240,7 @@ impl Config {
             ("max_handle", Some(self.max_handle)),
             ("split_min", Some(self.split_min)),
             ("handle_divisor", Some(self.handle_divisor)),
+            ("prealloc", Some(self.prealloc)),
             ("reserve_slack_min", Some(self.reserve_slack_min)),
             ("va_chunk", self.va_chunk),
             ("va_limit", Some(self.va_limit)),
@@ -355,6 +364,16 @@ impl Config {
             reserve_slack_min: self.reserve_slack_min,
             va_chunk,
             va_limit: self.va_limit,
+            prealloc: {
+                let p = self.prealloc.div_ceil(g) * g;
+                if p > capacity {
+                    return bad(format!(
+                        "prealloc {} exceeds the capacity {capacity}",
+                        self.prealloc
+                    ));
+                }
+                p
+            },
             paranoid: self.paranoid,
         })
     }
@@ -393,6 +412,8 @@ pub(crate) struct Resolved {
     /// A multiple of the granularity.
     pub va_chunk: u64,
     pub va_limit: u64,
+    /// A multiple of the granularity, at most `capacity`.
+    pub prealloc: u64,
     pub paranoid: bool,
 }
 
@@ -933,7 +954,7 @@ mod tests {
         let e = from_pairs::<Config>(&split_pairs("stitching:maybe").unwrap()).unwrap_err();
         assert!(e.contains("true or false"), "{e}");
         let names = field_names::<Config>();
-        assert_eq!(names.len(), 16);
+        assert_eq!(names.len(), 17);
         assert!(names.contains(&"reserve_slack_min") && names.contains(&"capacity"));
     }
 }

@@ -114,6 +114,8 @@ pub struct Stats {
     /// using them: mapped at the new address at once (an alias; work on the freeing stream
     /// stays ordered), the old mapping removed once that work has completed. No CPU wait.
     pub aliased_handles: u64,
+    /// Bytes created and mapped when the allocator started (`Config::prealloc`).
+    pub preallocated: u64,
     /// Handles created.
     pub handles_created: u64,
     /// Handles released.

@@ -584,3 +584,62 @@ fn checkerboard_with_the_default_policy_recreates_instead_of_remapping() {
     }
     a.validate().unwrap();
 }
+
+#[test]
+fn prealloc_makes_a_repeated_step_driver_call_free_after_warm_up() {
+    // Issue #11 item 3: a pool created at start; a loop whose peak fits in it makes no
+    // driver call once its first step has run.
+    let mut cfg = Config::default().with_paranoid(true);
+    cfg.prealloc = 2 * GIB;
+    let d = Arc::new(SimDriver::with_capacity(8 * GIB));
+    let a = Allocator::new(d.clone(), cfg).unwrap();
+    assert_eq!(a.stats().preallocated, 2 * GIB);
+    assert_eq!(a.stats().reserved.current, 2 * GIB);
+    let step = |a: &Allocator<Arc<SimDriver>>, i: u64| {
+        // Activations of varying size, a few small tensors, freed out of order.
+        let sizes = [
+            300 * MIB,
+            100 * MIB + i * MIB,
+            200 * MIB,
+            50 * MIB,
+            4096,
+            600 * 1024,
+        ];
+        let ps: Vec<_> = sizes.iter().map(|&s| a.alloc(s, S0).unwrap()).collect();
+        for j in [1, 3, 0, 5, 2, 4] {
+            a.free(ps[j], S0).unwrap();
+        }
+    };
+    step(&a, 0);
+    let warm = d.calls();
+    for i in 1..20 {
+        step(&a, i % 7);
+    }
+    assert_eq!(d.calls(), warm, "no driver call after the first step");
+    assert!(
+        a.stats().reserved.current <= 2 * GIB,
+        "nothing beyond the pool"
+    );
+    a.validate().unwrap();
+}
+
+#[test]
+fn prealloc_is_checked_and_a_failed_one_leaks_nothing() {
+    let d = SimDriver::with_capacity(GIB);
+    let mut cfg = Config::default();
+    cfg.prealloc = 2 * GIB;
+    let e = Allocator::new(d, cfg).unwrap_err();
+    assert!(
+        matches!(&e, AllocError::Config(m) if m.contains("prealloc")),
+        "{e}"
+    );
+    // The driver refuses the memory: the allocator is not created and holds nothing.
+    let d = Arc::new(SimDriver::with_capacity(GIB));
+    let dev = stitch_alloc::driver::FaultyDriver::new(d.clone());
+    dev.fail_nth(DriverOp::Create, 1);
+    let mut cfg = Config::default();
+    cfg.prealloc = 512 * MIB;
+    let e = Allocator::new(dev, cfg).unwrap_err();
+    assert!(matches!(e, AllocError::Driver { .. }), "{e}");
+    assert!(d.leak_report().is_clean(), "{:?}", d.leak_report());
+}

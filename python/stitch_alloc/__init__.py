@@ -221,8 +221,12 @@ def is_enabled():
     return _torch_allocator is not None
 
 
-def enable(path=None, conf=None):
+def enable(path=None, conf=None, prealloc=None):
     """Make stitch-alloc PyTorch's CUDA allocator. Call it before the first CUDA allocation.
+
+    ``prealloc``: bytes (an int or a size such as ``"20GiB"``) created and mapped at the
+    device's first allocation as one free pool (``prealloc:`` in the configuration): a loop
+    whose peak fits in it makes no driver call after warm-up.
 
     ``path``: the library (default: :func:`find_library`). ``conf``: a configuration string
     (default: ``$STITCH_ALLOC_CONF``; it is written there, so it must come before the
@@ -244,6 +248,9 @@ def enable(path=None, conf=None):
                     stacklevel=2,
                 )
             return _torch_allocator
+        if prealloc is not None:
+            base = conf if conf is not None else os.environ.get(CONF_ENV, "")
+            conf = ",".join(x for x in (base, f"prealloc:{prealloc}") if x)
         if conf is not None:
             os.environ[CONF_ENV] = conf
         lib_path = find_library(path)
@@ -406,6 +413,7 @@ def memory_stats(device=None):
             "stitches": s["stitches"],
             "stitched_handles": s["stitched_handles"],
             "recreated_handles": s.get("recreated_handles", 0),
+            "preallocated_bytes": s.get("preallocated", 0),
             "extensions": s["extensions"],
             "stranded_bytes": f["stranded_bytes"],
             "driver_calls": doc["driver_calls"],

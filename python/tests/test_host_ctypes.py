@@ -1,5 +1,6 @@
 """The library through ctypes on the host backend: no torch, no GPU."""
 import ctypes
+import json
 import subprocess
 import sys
 
@@ -184,3 +185,36 @@ def test_enable_refuses_cpu_backends(libpath):
             timeout=60,
         )
         assert "REFUSED" in r.stdout and "backend:cuda" in r.stdout, r.stdout + r.stderr
+
+
+def test_prealloc_through_the_configuration(libpath):
+    """Issue #11 item 3: `prealloc:` creates the pool at the device's first allocation, and a
+    repeated step that fits makes no driver call after warm-up."""
+    code = (
+        "import json, stitch_alloc\n"
+        "lib = stitch_alloc.load_library()\n"
+        "def step():\n"
+        "    ps = [lib.stitch_malloc(n << 20, 0, None) for n in (30, 10, 20, 5)]\n"
+        "    assert all(ps)\n"
+        "    for p in ps[::-1]:\n"
+        "        lib.stitch_free(p, 0, 0, None)\n"
+        "step()\n"
+        "calls = stitch_alloc.memory_stats(0)['driver_calls']\n"
+        "for _ in range(10):\n"
+        "    step()\n"
+        "m = stitch_alloc.memory_stats(0)\n"
+        "print('RESULT', json.dumps({'pre': m['preallocated_bytes'], 'calls': calls,\n"
+        "      'after': m['driver_calls']}))\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        env=subprocess_env(libpath, "backend:host,capacity_bytes:256MiB,prealloc:128MiB"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    line = [l for l in r.stdout.splitlines() if l.startswith("RESULT ")]
+    assert line, r.stdout + r.stderr
+    res = json.loads(line[-1][len("RESULT "):])
+    assert res["pre"] == 128 << 20
+    assert res["after"] == res["calls"], res

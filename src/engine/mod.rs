@@ -93,7 +93,41 @@ impl Engine {
         };
         let chunk = e.cfg.va_chunk;
         e.reserve_va(d, chunk)?;
+        if e.cfg.prealloc > 0 {
+            e.preallocate(d)?;
+        }
         Ok(e)
+    }
+
+    /// Create and map `cfg.prealloc` bytes as one clean free span of the large pool. On any
+    /// failure everything is given back and the error returned.
+    fn preallocate<D: Driver + ?Sized>(&mut self, d: &D) -> Result<()> {
+        let bytes = self.cfg.prealloc;
+        let plan = policy::Plan {
+            steps: vec![policy::Step::Build(policy::BuildPlan {
+                chosen: Vec::new(),
+                create: policy::Create::Exact(bytes),
+                handle_size: policy::handle_size(&self.cfg, bytes),
+                recreated: 0,
+                pool: arena::Pool::Large,
+                extend: None,
+                short_without_room: true,
+            })],
+        };
+        let failure = match self.apply(d, plan) {
+            Ok(Grow::Done) => {
+                self.stats.preallocated = bytes;
+                return Ok(());
+            }
+            Ok(_) => AllocError::Driver {
+                op: DriverOp::Create,
+                code: crate::driver::code::OUT_OF_MEMORY,
+                message: format!("prealloc of {bytes} bytes: the device is out of memory"),
+            },
+            Err(e) => e,
+        };
+        self.teardown(d);
+        Err(failure)
     }
 
     /// Use another growth policy from now on (to compare policies side by side).
