@@ -36,8 +36,12 @@
  *                               granularity, 2MiB on CUDA / 128MiB)
  *   stitching:true|false        remap free handles into new spans (default true)
  *   reserve_slack:F             growth slack before free handles are reused, F in
- *                               [0, 1000] (default 0.01)
- *   reserve_slack_min:SIZE      floor under that slack (default 64MiB)
+ *                               [0, 1000] (default 0)
+ *   reserve_slack_min:SIZE      floor under that slack (default 0)
+ *   handle_divisor:N            new memory in handles of about request / N (default 16)
+ *   split_min:SIZE              the smallest such handle (default 4MiB)
+ *   recreate:true|false         stitch clean handles by release and re-create (default true)
+ *   prealloc:SIZE               create and map a pool of SIZE at the first allocation
  *   medium_threshold:N, medium_page:N
  *                               pack requests up to N into shared pages (default off)
  *   va_chunk:N, va_limit:N      size of each address reservation (default 4x the
@@ -49,6 +53,8 @@
  *                               N of the visible devices
  *   on_oom:null|abort           out of memory: return NULL (default) or print the diagnosis
  *                               and abort the process
+ *   peers:all|none|0+1          cuda: devices given access to every mapping (default all
+ *                               that can access it)
  *
  * The keys after capacity_bytes are the fields of the Rust Config (same names, meanings,
  * defaults and checks). Sizes: 4096, 512KiB, 128MiB (or 128M), 1.5GiB, 2TiB: KiB/MiB/GiB/TiB

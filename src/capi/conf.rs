@@ -100,8 +100,63 @@ pub(crate) struct AbiConfig {
     /// devices found), in `1..=MAX_DEVICES`.
     #[serde(deserialize_with = "de_opt_parsed")]
     pub devices: Option<u32>,
+    /// Which other devices get read-write access to every mapping of a device (CUDA only):
+    /// `all` (default: every device that can access it, `cuDeviceCanAccessPeer`), `none`, or
+    /// ordinals joined by `+` (`0+1`; the list's commas separate keys). Set once per mapping,
+    /// spans built by stitching and growth included.
+    #[serde(deserialize_with = "crate::config::de_parsed")]
+    pub peers: Peers,
     /// The out-of-memory policy.
     pub on_oom: OnOom,
+}
+
+/// The `peers` key (see [`AbiConfig::peers`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub(crate) enum Peers {
+    /// Every device that can access the memory.
+    #[default]
+    All,
+    /// No peer access.
+    None,
+    /// These ordinals (those equal to the device itself are ignored).
+    List(Vec<u32>),
+}
+
+impl std::str::FromStr for Peers {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "all" => Ok(Peers::All),
+            "none" => Ok(Peers::None),
+            list => list
+                .split('+')
+                .map(|x| {
+                    x.trim().parse::<u32>().ok().filter(|&d| d < MAX_DEVICES).ok_or_else(|| {
+                        format!(
+                            "expected all, none or device ordinals below {MAX_DEVICES} joined by                              '+' (0+1), not {s:?}"
+                        )
+                    })
+                })
+                .collect::<Result<Vec<_>, _>>()
+                .map(Peers::List),
+        }
+    }
+}
+
+impl Peers {
+    /// The peers of `device` among `accessible` (the devices that can access it).
+    pub(crate) fn of(&self, device: i32, accessible: impl FnOnce() -> Vec<i32>) -> Vec<i32> {
+        match self {
+            Peers::All => accessible(),
+            Peers::None => Vec::new(),
+            Peers::List(l) => l
+                .iter()
+                .map(|&d| d as i32)
+                .filter(|&d| d != device)
+                .collect(),
+        }
+    }
 }
 
 impl AbiConfig {
@@ -209,6 +264,22 @@ mod tests {
         want.sort_unstable();
         have.sort_unstable();
         assert_eq!(have, want);
+    }
+
+    #[test]
+    fn peers_all_none_or_a_list() {
+        assert_eq!(Conf::parse("").unwrap().abi.peers, Peers::All);
+        assert_eq!(Conf::parse("peers:none").unwrap().abi.peers, Peers::None);
+        let c = Conf::parse("peers:0+2, devices:3").unwrap();
+        assert_eq!(c.abi.peers, Peers::List(vec![0, 2]));
+        // The device itself is never its own peer; `all` asks which devices can access it.
+        assert_eq!(c.abi.peers.of(0, || unreachable!()), vec![2]);
+        assert_eq!(Peers::All.of(1, || vec![0, 2]), vec![0, 2]);
+        assert!(Peers::None.of(1, || unreachable!()).is_empty());
+        for bad in ["peers:0,1", "peers:x", "peers:0+100000", "peers:"] {
+            let e = Conf::parse(bad).unwrap_err();
+            assert!(e.contains("peers") || e.contains("key:value"), "{bad}: {e}");
+        }
     }
 
     #[test]

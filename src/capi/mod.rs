@@ -52,12 +52,13 @@ pub const CONF_ENV: &str = "STITCH_ALLOC_CONF";
 /// The keys `STITCH_ALLOC_CONF` accepts: the C ABI's own (backend, capacity, log, devices,
 /// out-of-memory policy), then the fields of [`Config`](crate::Config) but `capacity`
 /// (checked against both structs by a test).
-pub const CONF_KEYS: [&str; 22] = [
+pub const CONF_KEYS: [&str; 23] = [
     "backend",
     "capacity_fraction",
     "capacity_bytes",
     "log",
     "devices",
+    "peers",
     "on_oom",
     "small_threshold",
     "small_page",

@@ -9,7 +9,7 @@
 #![forbid(unsafe_code)]
 
 use super::capture::GraphHeld;
-use super::conf::{Conf, LogLevel, DEFAULT_DEVICES, MAX_DEVICES};
+use super::conf::{Conf, LogLevel, Peers, DEFAULT_DEVICES, MAX_DEVICES};
 use super::guard::panic_message;
 use super::stats::StatsDoc;
 use super::CONF_ENV;
@@ -53,8 +53,15 @@ impl Forward for Device {
 pub(super) trait Open: Send + Sync {
     /// The number of usable CUDA devices, or why there is none (initialises the CUDA driver).
     fn cuda_devices(&self) -> Result<u32, String>;
-    /// The driver of `device` on `backend` (never `Auto`); `bytes`: `capacity_bytes`.
-    fn open(&self, backend: Backend, device: c_int, bytes: Option<u64>) -> Result<Device, String>;
+    /// The driver of `device` on `backend` (never `Auto`); `bytes`: `capacity_bytes`;
+    /// `peers`: which devices get access to its mappings (CUDA).
+    fn open(
+        &self,
+        backend: Backend,
+        device: c_int,
+        bytes: Option<u64>,
+        peers: &Peers,
+    ) -> Result<Device, String>;
 }
 
 /// The crate's backends.
@@ -68,11 +75,27 @@ impl Open for Backends {
         }
     }
 
-    fn open(&self, backend: Backend, device: c_int, bytes: Option<u64>) -> Result<Device, String> {
+    fn open(
+        &self,
+        backend: Backend,
+        device: c_int,
+        bytes: Option<u64>,
+        peers: &Peers,
+    ) -> Result<Device, String> {
         let d = match backend {
-            Backend::Cuda | Backend::Auto => CudaDriver::new(device)
-                .map(AnyDriver::Cuda)
-                .map_err(|e| format!("could not open CUDA device {device}: {e}"))?,
+            Backend::Cuda | Backend::Auto => {
+                let peers = peers.of(device, || {
+                    CudaDriver::accessible_peers(device).unwrap_or_else(|e| {
+                        tracing::warn!(%e, device, "no peer access: cannot ask which devices may");
+                        Vec::new()
+                    })
+                });
+                CudaDriver::with_peers(device, &peers)
+                    .map(AnyDriver::Cuda)
+                    .map_err(|e| {
+                        format!("could not open CUDA device {device} (peers {peers:?}): {e}")
+                    })?
+            }
             Backend::Host => HostDriver::with_capacity(bytes.unwrap_or(HOST_DEFAULT_CAPACITY))
                 .map(AnyDriver::Host)
                 .map_err(|e| format!("could not open the host backend: {e}"))?,
@@ -342,7 +365,9 @@ impl Runtime {
         fraction: Option<f64>,
     ) -> Result<Alloc, String> {
         let conf = self.conf()?;
-        let driver = self.open.open(backend, device, conf.abi.capacity_bytes)?;
+        let driver = self
+            .open
+            .open(backend, device, conf.abi.capacity_bytes, &conf.abi.peers)?;
         let mem = driver
             .mem_info()
             .map_err(|e| format!("device {device}: {e}"))?;
@@ -551,7 +576,7 @@ mod tests {
             self.knobs.probes.fetch_add(1, Ordering::Relaxed);
             Ok(2)
         }
-        fn open(&self, _: Backend, _: c_int, _: Option<u64>) -> Result<Device, String> {
+        fn open(&self, _: Backend, _: c_int, _: Option<u64>, _: &Peers) -> Result<Device, String> {
             self.knobs.opens.fetch_add(1, Ordering::Relaxed);
             let sim = SimDriver::with_capacity(self.capacity);
             if self.taken > 0 {

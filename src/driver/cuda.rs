@@ -402,6 +402,27 @@ impl CudaDriver {
         Self::with_peers(device_ordinal, &[])
     }
 
+    /// The other devices that can access memory of `device_ordinal`
+    /// (`cuDeviceCanAccessPeer`), in ordinal order: the peers [`CudaDriver::with_peers`]
+    /// accepts for it.
+    pub fn accessible_peers(device_ordinal: i32) -> DriverResult<Vec<i32>> {
+        let info = lib()?;
+        let device = get_device(device_ordinal)?;
+        let mut out = Vec::new();
+        for p in (0..info.device_count).filter(|&p| p != device_ordinal) {
+            let peer = get_device(p)?;
+            let mut can: c_int = 0;
+            // SAFETY: valid out-pointer and device handles from cuDeviceGet.
+            check_init("cuDeviceCanAccessPeer", unsafe {
+                sys::cuDeviceCanAccessPeer(&mut can, peer, device)
+            })?;
+            if can != 0 {
+                out.push(p);
+            }
+        }
+        Ok(out)
+    }
+
     /// Like [`CudaDriver::new`], and every [`Driver::set_access`] also grants read-write
     /// access to the devices in `peers` (one `CUmemAccessDesc` per device). Each peer must be
     /// able to access the device (`cuDeviceCanAccessPeer`).
