@@ -276,7 +276,18 @@ fn compare_prints_three_rows_and_the_json_key() {
 fn compare_models_match_pytorch_recorded_figures_on_zoo_snapshots() {
     // These runs' snapshots were recorded by PyTorch's default allocator on an H200; the
     // default model reproduces their peak reserved bytes exactly (design/replay-results.md).
-    for w in ["bert-encode", "llm-train-s"] {
+    for w in [
+        "bert-encode",
+        "hf-generate",
+        "lightning",
+        "llm-train-ckpt",
+        "llm-train-l",
+        "llm-train-s",
+        "lora",
+        "moe",
+        "resnet50-amp",
+        "vit-amp",
+    ] {
         let f = data(&format!("zoo/{w}.pickle.gz"));
         let v = json_of(&stitch(&[
             "replay",
