@@ -41,6 +41,8 @@ use std::time::Instant;
 pub use crate::cost::{CostModel, SizedCost};
 pub use crate::driver::{Meter, Metered};
 
+pub mod models;
+
 /// How to replay.
 #[derive(Clone, Debug, Default)]
 pub struct ReplayOptions {

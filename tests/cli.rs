@@ -226,3 +226,92 @@ fn leaks_are_reported_on_stderr_without_a_subscriber() {
         "stderr: {err}"
     );
 }
+
+#[test]
+fn compare_prints_three_rows_and_the_json_key() {
+    // Two 1 MiB tensors share one 2 MiB small segment; a 30 MiB tensor gets its own 30 MiB
+    // segment (default) or two 20 MiB pages (expandable): 32 MiB and 42 MiB.
+    let f = tmp("compare.trace");
+    std::fs::write(&f, "a 1 1048576\na 2 1048576\na 3 31457280\n").unwrap();
+    let f = f.to_str().unwrap();
+    let v = json_of(&stitch(&["replay", f, "--json", "--compare"]));
+    let rows = v["compare"]["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 3, "{v}");
+    assert_eq!(rows[0]["peak_reserved_bytes"], 32u64 << 20);
+    assert_eq!(rows[1]["peak_reserved_bytes"], 42u64 << 20);
+    let ours = v["peak_reserved_bytes"].as_i64().unwrap();
+    assert_eq!(rows[2]["peak_reserved_bytes"].as_i64().unwrap(), ours);
+    assert_eq!(
+        rows[0]["stitch_saves_bytes"].as_i64().unwrap(),
+        (32 << 20) - ours
+    );
+    assert_eq!(
+        rows[1]["stitch_saves_bytes"].as_i64().unwrap(),
+        (42 << 20) - ours
+    );
+    assert_eq!(rows[2]["stitch_saves_bytes"], 0);
+    // Peak live is 32 MiB.
+    assert_eq!(rows[0]["ratio"].as_f64(), Some(1.0));
+    assert_eq!(rows[1]["ratio"].as_f64(), Some(42.0 / 32.0));
+    assert!(
+        v["compare"].get("recorded").is_none(),
+        "a text trace records nothing"
+    );
+    // Without --compare the key is absent.
+    let v = json_of(&stitch(&["replay", f, "--json"]));
+    assert!(v.get("compare").is_none(), "{v}");
+    // The table.
+    let out = text(&stitch(&["replay", f, "--compare"]).stdout);
+    for row in [
+        "PyTorch default (model)",
+        "PyTorch expandable (model)",
+        "stitch-alloc",
+        "saves",
+    ] {
+        assert!(out.contains(row), "{row}: {out}");
+    }
+}
+
+#[test]
+fn compare_models_match_pytorch_recorded_figures_on_zoo_snapshots() {
+    // These runs' snapshots were recorded by PyTorch's default allocator on an H200; the
+    // default model reproduces their peak reserved bytes exactly (design/replay-results.md).
+    for w in [
+        "bert-encode",
+        "hf-generate",
+        "lightning",
+        "llm-train-ckpt",
+        "llm-train-l",
+        "llm-train-s",
+        "lora",
+        "moe",
+        "resnet50-amp",
+        "vit-amp",
+    ] {
+        let f = data(&format!("zoo/{w}.pickle.gz"));
+        let v = json_of(&stitch(&[
+            "replay",
+            f.to_str().unwrap(),
+            "--json",
+            "--compare",
+            "--skip-stranded",
+        ]));
+        let rec = &v["compare"]["recorded"];
+        assert_eq!(rec["model"], "pytorch-default", "{w}: {v}");
+        assert_eq!(
+            rec["recorded_peak_reserved_bytes"], v["pytorch_peak_reserved_bytes"],
+            "{w}"
+        );
+        assert_eq!(
+            rec["model_peak_reserved_bytes"], rec["recorded_peak_reserved_bytes"],
+            "{w}: {rec}"
+        );
+        assert_eq!(rec["model_error_pct"].as_f64(), Some(0.0), "{w}");
+    }
+    let f = data("zoo/bert-encode.pickle.gz");
+    let out = text(&stitch(&["replay", f.to_str().unwrap(), "--compare"]).stdout);
+    assert!(
+        out.contains("PyTorch as recorded") && out.contains("+0.00%"),
+        "{out}"
+    );
+}

@@ -10,7 +10,9 @@ use std::sync::Arc;
 use std::time::Instant;
 use stitch_alloc::driver::sim::H200_CAPACITY;
 use stitch_alloc::driver::{CudaDriver, CudaStream, Driver, HostDriver, SimDriver};
-use stitch_alloc::replay::{replay, CostModel, Meter, Metered, ReplayOptions, ReplayReport};
+use stitch_alloc::replay::{
+    models, replay, CostModel, Meter, Metered, ReplayOptions, ReplayReport,
+};
 use stitch_alloc::stats::Bytes;
 use stitch_alloc::trace::gen::{self, Kind, Scale};
 use stitch_alloc::trace::pytorch::{self, RecordedReserved};
@@ -233,6 +235,10 @@ struct ReplayArgs {
     /// defaults), e.g. {"set_access_quadratic": 0.0}.
     #[arg(long, value_name = "FILE.json")]
     cost_model: Option<PathBuf>,
+    /// Also replay the trace through models of PyTorch's default caching allocator and of
+    /// `expandable_segments:True`, and print what stitch-alloc saves against each.
+    #[arg(long)]
+    compare: bool,
 }
 
 #[derive(Args)]
@@ -652,6 +658,64 @@ fn print_report(file: &str, t: &Trace, b: &Built, r: &ReplayReport) {
     );
 }
 
+/// `stitch replay --compare`'s table.
+fn print_compare(c: &models::Comparison, peak_live: u64) {
+    let saves = |x: i64| {
+        if x >= 0 {
+            format!("saves {}", gib(x.unsigned_abs()))
+        } else {
+            format!("needs {} more", gib(x.unsigned_abs()))
+        }
+    };
+    out!();
+    out!(
+        "compare (peak live {}; models replay the same events, no GPU lag)",
+        gib(peak_live)
+    );
+    out!(
+        "  {:<38} {:>14} {:>9}  {}",
+        "allocator",
+        "peak reserved",
+        "/ live",
+        "stitch-alloc"
+    );
+    for row in &c.rows {
+        let verdict = if row.allocator == "stitch-alloc" {
+            "-".to_string()
+        } else {
+            saves(row.stitch_saves_bytes)
+        };
+        let failed = if row.failed_allocs > 0 {
+            format!(" ({} failed allocs)", row.failed_allocs)
+        } else {
+            String::new()
+        };
+        out!(
+            "  {:<38} {:>14} {:>9.4}  {verdict}{failed}",
+            row.allocator,
+            gib(row.peak_reserved_bytes),
+            row.ratio
+        );
+    }
+    if let Some(rec) = &c.recorded {
+        out!(
+            "  {:<38} {:>14} {:>9.4}  (the snapshot's own figure: the {} model is off by {:+.2}%)",
+            "PyTorch as recorded",
+            gib(rec.recorded_peak_reserved_bytes),
+            if peak_live > 0 {
+                rec.recorded_peak_reserved_bytes as f64 / peak_live as f64
+            } else {
+                0.0
+            },
+            match rec.model {
+                models::Model::PyTorchDefault => "default",
+                models::Model::PyTorchExpandable => "expandable",
+            },
+            rec.model_error_pct
+        );
+    }
+}
+
 fn cmd_replay(a: &ReplayArgs) -> Result<ExitCode, String> {
     let cost = match &a.cost_model {
         None => CostModel::default(),
@@ -679,6 +743,19 @@ fn cmd_replay(a: &ReplayArgs) -> Result<ExitCode, String> {
     if let Some(torch) = loaded.pytorch {
         r.set_pytorch_reserved(torch.peak_bytes);
     }
+    let cmp = a.compare.then(|| {
+        let recorded = loaded
+            .pytorch
+            .map(|p| (p.peak_bytes, p.expandable_segments));
+        models::compare(
+            &t,
+            r.capacity,
+            r.peak_reserved_bytes,
+            r.peak_live_bytes,
+            r.failed_allocs,
+            recorded,
+        )
+    });
     if b.alloc.driver().name() != "sim" || a.alloc.paranoid {
         if let Err(e) = b.alloc.validate() {
             return Err(format!("allocator invariant broken after replay: {e}"));
@@ -700,12 +777,21 @@ fn cmd_replay(a: &ReplayArgs) -> Result<ExitCode, String> {
         let mut v = serde_json::to_value(&r).map_err(|e| e.to_string())?;
         if let Some(o) = v.as_object_mut() {
             o.insert("trace".into(), a.trace.file.display().to_string().into());
+            if let Some(c) = &cmp {
+                o.insert(
+                    "compare".into(),
+                    serde_json::to_value(c).map_err(|e| e.to_string())?,
+                );
+            }
         }
         out!("{v}");
     } else {
         print_report(&a.trace.file.display().to_string(), &t, &b, &r);
         if let Some(p) = &a.plot {
             out!("plot             {}", p.display());
+        }
+        if let Some(c) = &cmp {
+            print_compare(c, r.peak_live_bytes);
         }
     }
     failures(
@@ -887,10 +973,22 @@ fn cmd_demo(a: &DemoArgs) -> Result<(), String> {
     };
     let probe = |r: &ReplayReport| r.probes.last().cloned().unwrap_or_default();
     let (p_on, p_off) = (probe(&c_on), probe(&c_off));
+    // What users run today, modeled over the same events on the same capacity.
+    let sim = |t: &Trace, m: models::Model| models::simulate(t, m, l_on.capacity);
+    let (l_def, l_exp) = (
+        sim(&llm, models::Model::PyTorchDefault),
+        sim(&llm, models::Model::PyTorchExpandable),
+    );
+    let (c_def, c_exp) = (
+        sim(&cb, models::Model::PyTorchDefault),
+        sim(&cb, models::Model::PyTorchExpandable),
+    );
     if a.json {
         let v = serde_json::json!({
-            "llm": { "stitching_on": l_on, "stitching_off": l_off },
-            "checkerboard": { "stitching_on": c_on, "stitching_off": c_off },
+            "llm": { "stitching_on": l_on, "stitching_off": l_off,
+                     "pytorch_default_model": l_def, "pytorch_expandable_model": l_exp },
+            "checkerboard": { "stitching_on": c_on, "stitching_off": c_off,
+                              "pytorch_default_model": c_def, "pytorch_expandable_model": c_exp },
         });
         out!("{v}");
         return Ok(());
@@ -923,6 +1021,14 @@ fn cmd_demo(a: &DemoArgs) -> Result<(), String> {
         format!("{:.4}", row.ratio_on),
         format!("{:.4}", row.ratio_off)
     );
+    for m in [&l_def, &l_exp] {
+        out!(
+            "{:<44} {:>16} {:>16}",
+            format!("LLM: ... {}", m.model.name()),
+            format!("{:.4}", m.ratio),
+            ""
+        );
+    }
     out!(
         "{:<44} {:>16} {:>16}",
         "LLM: failed allocations",
@@ -935,6 +1041,20 @@ fn cmd_demo(a: &DemoArgs) -> Result<(), String> {
         ms(row.us_on),
         ms(row.us_off)
     );
+    out!(
+        "{:<44} {:>16} {:>16}",
+        "checkerboard: peak reserved / peak live",
+        format!("{:.4}", c_on.ratio),
+        format!("{:.4}", c_off.ratio)
+    );
+    for m in [&c_def, &c_exp] {
+        out!(
+            "{:<44} {:>16} {:>16}",
+            format!("checkerboard: ... {}", m.model.name()),
+            format!("{:.4}", m.ratio),
+            ""
+        );
+    }
     out!(
         "{:<44} {:>16} {:>16}",
         "checkerboard: largest allocation that fits",

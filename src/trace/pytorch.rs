@@ -125,6 +125,9 @@ pub struct RecordedReserved {
     pub peak_bytes: u64,
     /// Reserved at the dump (the snapshot's `segments`).
     pub final_bytes: u64,
+    /// Whether the recording allocator ran with `expandable_segments:True` (its
+    /// `allocator_settings` say so, or its trace maps segments instead of allocating them).
+    pub expandable_segments: bool,
 }
 
 /// PyTorch's reserved bytes over device `device`'s trace (the same device [`from_value`]
@@ -155,9 +158,17 @@ pub fn recorded_reserved(
     }
     // Net change of each entry: +size for segment_alloc/map, -size for segment_free/unmap.
     let mut deltas = Vec::new();
+    let mut expandable = get(top, "allocator_settings")
+        .and_then(|v| match v {
+            Value::Dict(s) => get(s, "expandable_segments"),
+            _ => None,
+        })
+        .is_some_and(|v| matches!(v, Value::Bool(true)));
     for e in entries {
         let Value::Dict(d) = e else { continue };
-        let sign = match get(d, "action").and_then(as_str) {
+        let action = get(d, "action").and_then(as_str);
+        expandable |= action == Some("segment_map");
+        let sign = match action {
             Some("segment_alloc" | "segment_map") => 1i128,
             Some("segment_free" | "segment_unmap") => -1i128,
             _ => continue,
@@ -185,6 +196,7 @@ pub fn recorded_reserved(
         initial_bytes: to_u64(initial),
         peak_bytes: to_u64(peak),
         final_bytes,
+        expandable_segments: expandable,
     }))
 }
 
