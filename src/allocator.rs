@@ -22,6 +22,16 @@ pub struct DevicePtr(pub u64);
 
 impl DevicePtr {
     /// The address as an integer.
+    ///
+    /// ```
+    /// use stitch_alloc::{Allocator, Config, Stream};
+    /// use stitch_alloc::driver::SimDriver;
+    /// let a = Allocator::new(SimDriver::with_capacity(1 << 30), Config::default()).unwrap();
+    /// let p = a.alloc(1000, Stream::DEFAULT).unwrap();
+    /// assert_ne!(p.addr(), 0);
+    /// assert_eq!(p.addr() % 512, 0, "blocks are 512-byte aligned");
+    /// # a.free(p, Stream::DEFAULT).unwrap();
+    /// ```
     pub fn addr(self) -> u64 {
         self.0
     }
@@ -34,6 +44,16 @@ impl fmt::Display for DevicePtr {
 }
 
 /// What `shutdown` found and did.
+///
+/// ```
+/// use stitch_alloc::{Allocator, Config, ShutdownReport, Stream};
+/// use stitch_alloc::driver::SimDriver;
+/// let a = Allocator::new(SimDriver::with_capacity(1 << 30), Config::default()).unwrap();
+/// let p = a.alloc(1 << 20, Stream::DEFAULT).unwrap();
+/// a.free(p, Stream::DEFAULT).unwrap();
+/// let clean = ShutdownReport { leaked_allocations: 0, leaked_bytes: 0 };
+/// assert_eq!(a.shutdown(), clean);
+/// ```
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct ShutdownReport {
     /// Allocations still live at shutdown (their memory was given back anyway).
@@ -77,6 +97,15 @@ impl<D: Driver> fmt::Debug for Allocator<D> {
 impl<D: Driver> Allocator<D> {
     /// Create an allocator on `driver`. Reserves virtual address space up front; creates no
     /// physical memory until the first allocation.
+    ///
+    /// ```
+    /// use stitch_alloc::{Allocator, Capacity, Config};
+    /// use stitch_alloc::driver::SimDriver;
+    /// let cfg = Config::default().with_capacity(Capacity::Bytes(256 << 20));
+    /// let a = Allocator::new(SimDriver::with_capacity(1 << 30), cfg).unwrap();
+    /// assert_eq!(a.capacity(), 256 << 20);
+    /// assert_eq!(a.stats().reserved.current, 0, "no physical memory yet");
+    /// ```
     pub fn new(driver: D, config: Config) -> Result<Self> {
         let info = driver.mem_info()?;
         let resolved = config.resolve(driver.granularity(), info)?;
@@ -104,6 +133,16 @@ impl<D: Driver> Allocator<D> {
 
     /// Allocate `size` bytes for use on `stream`. The memory is mapped, accessible, and stays
     /// at its address until freed.
+    ///
+    /// ```
+    /// use stitch_alloc::{Allocator, Config, Stream};
+    /// use stitch_alloc::driver::SimDriver;
+    /// let a = Allocator::new(SimDriver::with_capacity(1 << 30), Config::default()).unwrap();
+    /// let p = a.alloc(64 << 20, Stream::DEFAULT).unwrap();
+    /// assert_eq!(a.stats().allocs, 1);
+    /// assert_eq!(a.usable_size(p), Some(64 << 20));
+    /// # a.free(p, Stream::DEFAULT).unwrap();
+    /// ```
     pub fn alloc(&self, size: u64, stream: Stream) -> Result<DevicePtr> {
         let mut e = self.engine.lock();
         let r = e.alloc(&self.driver, size, stream).map(DevicePtr);
@@ -117,6 +156,16 @@ impl<D: Driver> Allocator<D> {
     /// work queued on `stream` before this call has completed. Memory also used on other
     /// streams ([`Allocator::record_stream`]) is fenced on each; a stream whose event cannot be
     /// recorded now is fenced on a later slow path, so the free itself still succeeds.
+    ///
+    /// ```
+    /// use stitch_alloc::{Allocator, Config, Stream};
+    /// use stitch_alloc::driver::SimDriver;
+    /// let a = Allocator::new(SimDriver::with_capacity(1 << 30), Config::default()).unwrap();
+    /// let p = a.alloc(4 << 20, Stream::DEFAULT).unwrap();
+    /// a.free(p, Stream::DEFAULT).unwrap();
+    /// assert_eq!(a.stats().frees, 1);
+    /// assert!(a.free(p, Stream::DEFAULT).is_err(), "double free");
+    /// ```
     pub fn free(&self, ptr: DevicePtr, stream: Stream) -> Result<()> {
         let mut e = self.engine.lock();
         let r = e.free(&self.driver, ptr.0, stream);
@@ -149,6 +198,16 @@ impl<D: Driver> Allocator<D> {
 
     /// Record that the live allocation at `ptr` is also used on `stream` (like PyTorch's
     /// `record_stream`): its free will then wait for that stream too.
+    ///
+    /// ```
+    /// use stitch_alloc::{Allocator, Config, Stream};
+    /// use stitch_alloc::driver::SimDriver;
+    /// let a = Allocator::new(SimDriver::with_capacity(1 << 30), Config::default()).unwrap();
+    /// let p = a.alloc(1 << 20, Stream::DEFAULT).unwrap();
+    /// a.record_stream(p, Stream::sim(1)).unwrap(); // also used on stream 1
+    /// a.free(p, Stream::DEFAULT).unwrap(); // fenced on both streams
+    /// assert_eq!(a.stats().live_allocations.current, 0);
+    /// ```
     pub fn record_stream(&self, ptr: DevicePtr, stream: Stream) -> Result<()> {
         self.engine.lock().record_stream(ptr.0, stream)
     }
@@ -181,12 +240,34 @@ impl<D: Driver> Allocator<D> {
     }
 
     /// The usable size of the live allocation at `ptr` (its request rounded to 512 bytes).
+    ///
+    /// ```
+    /// use stitch_alloc::{Allocator, Config, Stream};
+    /// use stitch_alloc::driver::SimDriver;
+    /// let a = Allocator::new(SimDriver::with_capacity(1 << 30), Config::default()).unwrap();
+    /// let p = a.alloc(1000, Stream::DEFAULT).unwrap();
+    /// assert_eq!(a.usable_size(p), Some(1024));
+    /// a.free(p, Stream::DEFAULT).unwrap();
+    /// assert_eq!(a.usable_size(p), None, "no longer live");
+    /// ```
     pub fn usable_size(&self, ptr: DevicePtr) -> Option<u64> {
         self.engine.lock().usable_size(ptr.0)
     }
 
     /// Release every physical handle that holds no live byte back to the driver
     /// (`torch.cuda.empty_cache()`). Returns the bytes released.
+    ///
+    /// ```
+    /// use stitch_alloc::{Allocator, Config, Stream};
+    /// use stitch_alloc::driver::SimDriver;
+    /// let a = Allocator::new(SimDriver::with_capacity(1 << 30), Config::default()).unwrap();
+    /// let p = a.alloc(64 << 20, Stream::DEFAULT).unwrap();
+    /// a.free(p, Stream::DEFAULT).unwrap();
+    /// let cached = a.stats().reserved.current;
+    /// assert!(cached >= 64 << 20, "freed memory stays cached");
+    /// assert_eq!(a.empty_cache().unwrap(), cached);
+    /// assert_eq!(a.stats().reserved.current, 0);
+    /// ```
     pub fn empty_cache(&self) -> Result<u64> {
         let mut e = self.engine.lock();
         let r = e.empty_cache(&self.driver);
@@ -195,36 +276,104 @@ impl<D: Driver> Allocator<D> {
     }
 
     /// The cheap counters.
+    ///
+    /// ```
+    /// use stitch_alloc::{Allocator, Config, Stream};
+    /// use stitch_alloc::driver::SimDriver;
+    /// let a = Allocator::new(SimDriver::with_capacity(1 << 30), Config::default()).unwrap();
+    /// let p = a.alloc(1 << 20, Stream::DEFAULT).unwrap();
+    /// let s = a.stats();
+    /// assert_eq!((s.allocs, s.requested.current), (1, 1 << 20));
+    /// # a.free(p, Stream::DEFAULT).unwrap();
+    /// ```
     pub fn stats(&self) -> Stats {
         self.engine.lock().stats
     }
 
     /// Fragmentation figures, computed by walking the structures (slower).
+    ///
+    /// ```
+    /// use stitch_alloc::{Allocator, Config, Stream};
+    /// use stitch_alloc::driver::SimDriver;
+    /// let a = Allocator::new(SimDriver::with_capacity(1 << 30), Config::default()).unwrap();
+    /// let p = a.alloc(100 << 20, Stream::DEFAULT).unwrap();
+    /// let d = a.detailed_stats();
+    /// assert_eq!(d.capacity, 1 << 30);
+    /// assert_eq!(d.stats.live_allocations.current, 1);
+    /// # a.free(p, Stream::DEFAULT).unwrap();
+    /// ```
     pub fn detailed_stats(&self) -> DetailedStats {
         self.engine.lock().detailed()
     }
 
     /// The whole layout (blocks, handles, reservations) for dumps and pictures.
+    ///
+    /// ```
+    /// use stitch_alloc::{Allocator, Config, Stream};
+    /// use stitch_alloc::driver::SimDriver;
+    /// let a = Allocator::new(SimDriver::with_capacity(1 << 30), Config::default()).unwrap();
+    /// let p = a.alloc(8 << 20, Stream::DEFAULT).unwrap();
+    /// let layout = a.snapshot();
+    /// assert!(!layout.handles.is_empty());
+    /// assert_eq!(layout.detailed.stats.live_allocations.current, 1);
+    /// # a.free(p, Stream::DEFAULT).unwrap();
+    /// ```
     pub fn snapshot(&self) -> Layout {
         self.engine.lock().layout()
     }
 
     /// The layout as JSON.
+    ///
+    /// ```
+    /// use stitch_alloc::{Allocator, Config, Stream};
+    /// use stitch_alloc::driver::SimDriver;
+    /// let a = Allocator::new(SimDriver::with_capacity(1 << 30), Config::default()).unwrap();
+    /// let p = a.alloc(8 << 20, Stream::DEFAULT).unwrap();
+    /// let v: serde_json::Value = serde_json::from_str(&a.snapshot_json()).unwrap();
+    /// assert!(v["handles"].as_array().is_some_and(|h| !h.is_empty()));
+    /// # a.free(p, Stream::DEFAULT).unwrap();
+    /// ```
     pub fn snapshot_json(&self) -> String {
         serde_json::to_string(&self.snapshot()).expect("snapshot serialises")
     }
 
     /// Check every invariant; `Err` names the first one broken.
+    ///
+    /// ```
+    /// use stitch_alloc::{Allocator, Config, Stream};
+    /// use stitch_alloc::driver::SimDriver;
+    /// let a = Allocator::new(SimDriver::with_capacity(1 << 30), Config::default()).unwrap();
+    /// let p = a.alloc(3 << 20, Stream::DEFAULT).unwrap();
+    /// assert_eq!(a.validate(), Ok(()));
+    /// a.free(p, Stream::DEFAULT).unwrap();
+    /// assert_eq!(a.validate(), Ok(()));
+    /// ```
     pub fn validate(&self) -> std::result::Result<(), String> {
         self.engine.lock().validate()
     }
 
     /// The allocator's physical capacity in bytes.
+    ///
+    /// ```
+    /// use stitch_alloc::{Allocator, Capacity, Config};
+    /// use stitch_alloc::driver::SimDriver;
+    /// let half = Config::default().with_capacity(Capacity::Fraction(0.5));
+    /// let a = Allocator::new(SimDriver::with_capacity(1 << 30), half).unwrap();
+    /// assert_eq!(a.capacity(), 512 << 20);
+    /// ```
     pub fn capacity(&self) -> u64 {
         self.engine.lock().cfg.capacity
     }
 
     /// The driver's granularity.
+    ///
+    /// ```
+    /// use stitch_alloc::{Allocator, Config};
+    /// use stitch_alloc::driver::SimDriver;
+    /// let d = SimDriver::with_config(4 << 20, 1 << 30); // a 4 MiB granularity
+    /// let a = Allocator::new(d, Config::default()).unwrap();
+    /// assert_eq!(a.granularity(), 4 << 20);
+    /// ```
     pub fn granularity(&self) -> u64 {
         self.engine.lock().cfg.granularity
     }
@@ -238,6 +387,16 @@ impl<D: Driver> Allocator<D> {
     }
 
     /// The driver.
+    ///
+    /// ```
+    /// use stitch_alloc::{Allocator, Config, Driver, Stream};
+    /// use stitch_alloc::driver::SimDriver;
+    /// let a = Allocator::new(SimDriver::with_capacity(1 << 30), Config::default()).unwrap();
+    /// assert_eq!(a.driver().name(), "sim");
+    /// let p = a.alloc(8 << 20, Stream::DEFAULT).unwrap();
+    /// assert_eq!(a.driver().used_bytes(), a.stats().reserved.current);
+    /// # a.free(p, Stream::DEFAULT).unwrap();
+    /// ```
     pub fn driver(&self) -> &D {
         &self.driver
     }
@@ -245,6 +404,16 @@ impl<D: Driver> Allocator<D> {
     /// Give all memory back to the driver; later calls fail with [`AllocError::ShutDown`].
     /// Live allocations are reported as leaks (and logged); the work queued on them (on their
     /// streams and the streams `record_stream` added) is waited for before they are unmapped.
+    ///
+    /// ```
+    /// use stitch_alloc::{AllocError, Allocator, Config, Stream};
+    /// use stitch_alloc::driver::SimDriver;
+    /// let a = Allocator::new(SimDriver::with_capacity(1 << 30), Config::default()).unwrap();
+    /// let _leaked = a.alloc(4096, Stream::DEFAULT).unwrap();
+    /// let r = a.shutdown();
+    /// assert_eq!((r.leaked_allocations, r.leaked_bytes), (1, 4096));
+    /// assert!(matches!(a.alloc(4096, Stream::DEFAULT), Err(AllocError::ShutDown)));
+    /// ```
     pub fn shutdown(&self) -> ShutdownReport {
         let mut e = self.engine.lock();
         if e.shut_down {
@@ -324,27 +493,85 @@ impl<D: Driver> fmt::Debug for Buffer<'_, D> {
 
 impl<D: Driver> Buffer<'_, D> {
     /// The device address.
+    ///
+    /// ```
+    /// use stitch_alloc::{Allocator, Config, Stream};
+    /// use stitch_alloc::driver::SimDriver;
+    /// let a = Allocator::new(SimDriver::with_capacity(1 << 30), Config::default()).unwrap();
+    /// let b = a.alloc_buffer(4096, Stream::DEFAULT).unwrap();
+    /// assert_eq!(a.usable_size(b.ptr()), Some(4096));
+    /// ```
     pub fn ptr(&self) -> DevicePtr {
         self.ptr
     }
     /// Requested length in bytes.
+    ///
+    /// ```
+    /// use stitch_alloc::{Allocator, Config, Stream};
+    /// use stitch_alloc::driver::SimDriver;
+    /// let a = Allocator::new(SimDriver::with_capacity(1 << 30), Config::default()).unwrap();
+    /// let b = a.alloc_buffer(1000, Stream::DEFAULT).unwrap();
+    /// assert_eq!(b.len(), 1000, "the request, not the rounded size");
+    /// assert_eq!(a.usable_size(b.ptr()), Some(1024));
+    /// ```
     pub fn len(&self) -> u64 {
         self.len
     }
     /// Whether the length is zero (never: zero-size requests are refused).
+    ///
+    /// ```
+    /// use stitch_alloc::{Allocator, Config, Stream};
+    /// use stitch_alloc::driver::SimDriver;
+    /// let a = Allocator::new(SimDriver::with_capacity(1 << 30), Config::default()).unwrap();
+    /// let b = a.alloc_buffer(1, Stream::DEFAULT).unwrap();
+    /// assert!(!b.is_empty());
+    /// assert!(a.alloc_buffer(0, Stream::DEFAULT).is_err());
+    /// ```
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
     /// The stream it was allocated on.
+    ///
+    /// ```
+    /// use stitch_alloc::{Allocator, Config, Stream};
+    /// use stitch_alloc::driver::SimDriver;
+    /// let a = Allocator::new(SimDriver::with_capacity(1 << 30), Config::default()).unwrap();
+    /// let b = a.alloc_buffer(4096, Stream::sim(3)).unwrap();
+    /// assert_eq!(b.stream(), Stream::sim(3)); // and is freed on it when dropped
+    /// ```
     pub fn stream(&self) -> Stream {
         self.stream
     }
     /// Copy bytes in at `offset` (backends with data only).
+    ///
+    /// ```
+    /// use stitch_alloc::{Allocator, Config, Stream};
+    /// use stitch_alloc::driver::HostDriver;
+    /// let a = Allocator::new(HostDriver::with_capacity(64 << 20).unwrap(), Config::default()).unwrap();
+    /// let b = a.alloc_buffer(4096, Stream::DEFAULT).unwrap();
+    /// b.write(4090, b"tail!!").unwrap();
+    /// let mut out = [0u8; 6];
+    /// b.read(4090, &mut out).unwrap();
+    /// assert_eq!(&out, b"tail!!");
+    /// assert!(b.write(4091, b"tail!!").is_err(), "one byte past the end");
+    /// ```
     pub fn write(&self, offset: u64, data: &[u8]) -> Result<()> {
         self.bounds(offset, data.len() as u64)?;
         Ok(self.alloc.driver.write(self.ptr.0 + offset, data)?)
     }
     /// Copy bytes out from `offset` (backends with data only).
+    ///
+    /// ```
+    /// use stitch_alloc::{Allocator, Config, Stream};
+    /// use stitch_alloc::driver::HostDriver;
+    /// let a = Allocator::new(HostDriver::with_capacity(64 << 20).unwrap(), Config::default()).unwrap();
+    /// let b = a.alloc_buffer(4096, Stream::DEFAULT).unwrap();
+    /// b.write(100, &[7; 8]).unwrap();
+    /// let mut out = [0u8; 8];
+    /// b.read(100, &mut out).unwrap();
+    /// assert_eq!(out, [7; 8]);
+    /// assert!(b.read(u64::MAX, &mut out).is_err(), "outside the buffer");
+    /// ```
     pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
         self.bounds(offset, buf.len() as u64)?;
         Ok(self.alloc.driver.read(self.ptr.0 + offset, buf)?)
@@ -359,6 +586,16 @@ impl<D: Driver> Buffer<'_, D> {
         }
     }
     /// Give up ownership without freeing; free it later with [`Allocator::free`].
+    ///
+    /// ```
+    /// use stitch_alloc::{Allocator, Config, Stream};
+    /// use stitch_alloc::driver::SimDriver;
+    /// let a = Allocator::new(SimDriver::with_capacity(1 << 30), Config::default()).unwrap();
+    /// let p = a.alloc_buffer(4096, Stream::DEFAULT).unwrap().into_raw();
+    /// assert_eq!(a.stats().live_allocations.current, 1, "not freed on drop");
+    /// a.free(p, Stream::DEFAULT).unwrap();
+    /// assert_eq!(a.stats().live_allocations.current, 0);
+    /// ```
     pub fn into_raw(self) -> DevicePtr {
         let p = self.ptr;
         std::mem::forget(self);

@@ -44,6 +44,14 @@ impl Backend {
     pub const ALL: [Backend; 4] = [Backend::Auto, Backend::Sim, Backend::Host, Backend::Cuda];
 
     /// The backend's name, as parsed.
+    ///
+    /// ```
+    /// use stitch_alloc::Backend;
+    /// assert_eq!(Backend::Sim.name(), "sim");
+    /// for b in Backend::ALL {
+    ///     assert_eq!(b.name().parse::<Backend>().unwrap(), b);
+    /// }
+    /// ```
     pub const fn name(self) -> &'static str {
         match self {
             Backend::Auto => "auto",
@@ -103,6 +111,14 @@ pub enum AnyDriver {
 }
 
 /// Why [`AnyDriver::from_name`] or [`AnyDriver::open`] could not give a driver.
+///
+/// ```
+/// use stitch_alloc::{AnyDriver, Backend, BackendError};
+/// let e = "tpu".parse::<Backend>().unwrap_err();
+/// assert_eq!(e, BackendError::UnknownName("tpu".into()));
+/// assert!(e.to_string().contains("expected one of auto, sim, host, cuda"), "{e}");
+/// assert!(matches!(AnyDriver::from_name("gpu"), Err(BackendError::UnknownName(_))));
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum BackendError {

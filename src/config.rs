@@ -27,6 +27,14 @@ pub const MAX_RESERVE_SLACK: f64 = 1000.0;
 ///
 /// In serde's data model (JSON, ...): `{"bytes": 8589934592}` (or `{"bytes": "8GiB"}`, see
 /// [`parse_size`]) or `{"fraction": 0.5}`.
+///
+/// ```
+/// use stitch_alloc::Capacity;
+/// let c: Capacity = serde_json::from_str(r#"{"bytes": "8GiB"}"#).unwrap();
+/// assert_eq!(c, Capacity::Bytes(8 << 30));
+/// let f: Capacity = serde_json::from_str(r#"{"fraction": 0.5}"#).unwrap();
+/// assert_eq!(f, Capacity::Fraction(0.5));
+/// ```
 #[derive(Copy, Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Capacity {
@@ -171,39 +179,90 @@ impl Default for Config {
 
 impl Config {
     /// Set the capacity.
+    ///
+    /// ```
+    /// use stitch_alloc::{Capacity, Config};
+    /// let c = Config::default().with_capacity(Capacity::Bytes(8 << 30));
+    /// assert_eq!(c.capacity, Capacity::Bytes(8 << 30));
+    /// assert_eq!(Config::default().capacity, Capacity::Fraction(1.0));
+    /// ```
     pub fn with_capacity(mut self, c: Capacity) -> Self {
         self.capacity = c;
         self
     }
     /// Set the small-request threshold.
+    ///
+    /// ```
+    /// use stitch_alloc::Config;
+    /// let c = Config::default().with_small_threshold(256 << 10);
+    /// assert_eq!(c.small_threshold, 256 << 10);
+    /// assert!(c.validate().is_ok());
+    /// ```
     pub fn with_small_threshold(mut self, bytes: u64) -> Self {
         self.small_threshold = bytes;
         self
     }
     /// Set the medium threshold (0 = off) and page size (see [`Config::medium_threshold`]).
+    ///
+    /// ```
+    /// use stitch_alloc::Config;
+    /// let c = Config::default().with_medium(8 << 20, 64 << 20);
+    /// assert_eq!((c.medium_threshold, c.medium_page), (Some(8 << 20), 64 << 20));
+    /// assert_eq!(Config::default().with_medium(0, 64 << 20).medium_threshold, None);
+    /// ```
     pub fn with_medium(mut self, threshold: u64, page: u64) -> Self {
         self.medium_threshold = (threshold > 0).then_some(threshold);
         self.medium_page = page;
         self
     }
     /// Set the smallest (0 = the granularity) and largest handle sizes.
+    ///
+    /// ```
+    /// use stitch_alloc::Config;
+    /// let c = Config::default().with_handle_sizes(0, 64 << 20);
+    /// assert_eq!((c.min_handle, c.max_handle), (None, 64 << 20));
+    /// assert!(Config::default().with_handle_sizes(8 << 20, 4 << 20).validate().is_err());
+    /// ```
     pub fn with_handle_sizes(mut self, min: u64, max: u64) -> Self {
         self.min_handle = (min > 0).then_some(min);
         self.max_handle = max;
         self
     }
     /// Turn stitching on or off.
+    ///
+    /// ```
+    /// use stitch_alloc::Config;
+    /// assert!(Config::default().stitching);
+    /// let c = Config::default().with_stitching(false);
+    /// assert!(!c.stitching && c.validate().is_ok());
+    /// ```
     pub fn with_stitching(mut self, on: bool) -> Self {
         self.stitching = on;
         self
     }
     /// Set the growth slack and its floor in bytes (see [`Config::reserve_slack`]).
+    ///
+    /// ```
+    /// use stitch_alloc::Config;
+    /// let c = Config::default().with_reserve_slack(0.1, 64 << 20);
+    /// assert_eq!((c.reserve_slack, c.reserve_slack_min), (0.1, 64 << 20));
+    /// assert!(Config::default().with_reserve_slack(-1.0, 0).validate().is_err());
+    /// ```
     pub fn with_reserve_slack(mut self, slack: f64, min_bytes: u64) -> Self {
         self.reserve_slack = slack;
         self.reserve_slack_min = min_bytes;
         self
     }
     /// Turn the per-operation invariant check on or off.
+    ///
+    /// ```
+    /// use stitch_alloc::{Allocator, Config, Stream};
+    /// use stitch_alloc::driver::SimDriver;
+    /// let cfg = Config::default().with_paranoid(true);
+    /// let a = Allocator::new(SimDriver::with_capacity(1 << 30), cfg).unwrap();
+    /// let p = a.alloc(3 << 20, Stream::DEFAULT).unwrap(); // each call re-checks every invariant
+    /// a.free(p, Stream::DEFAULT).unwrap();
+    /// ```
     pub fn with_paranoid(mut self, on: bool) -> Self {
         self.paranoid = on;
         self

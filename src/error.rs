@@ -8,6 +8,19 @@ use std::fmt;
 
 /// Why an allocation failed for lack of memory: enough to tell external fragmentation
 /// (which this allocator rules out) from a real shortage.
+///
+/// ```
+/// use stitch_alloc::{AllocError, Allocator, Config, Stream};
+/// use stitch_alloc::driver::SimDriver;
+/// let a = Allocator::new(SimDriver::with_capacity(64 << 20), Config::default()).unwrap();
+/// let held = a.alloc(40 << 20, Stream::DEFAULT).unwrap();
+/// let Err(AllocError::OutOfMemory(r)) = a.alloc(40 << 20, Stream::DEFAULT) else {
+///     panic!("expected out of memory");
+/// };
+/// assert_eq!((r.requested, r.capacity, r.live), (40 << 20, 64 << 20, 40 << 20));
+/// assert!(!r.driver_out_of_memory, "the allocator's own limit, not the driver's");
+/// # a.free(held, Stream::DEFAULT).unwrap();
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct OomReport {
     /// Bytes the caller asked for.

@@ -78,6 +78,17 @@ impl Gauge {
 /// Names follow PyTorch's `memory_stats()` where one exists: `requested` is what callers
 /// asked for, `allocated` what their blocks occupy (512-byte rounding), `reserved` the
 /// physical memory held in handles, `mapped` the part of it mapped into address space.
+///
+/// ```
+/// use stitch_alloc::{Allocator, Config, Stream};
+/// use stitch_alloc::driver::SimDriver;
+/// let a = Allocator::new(SimDriver::with_capacity(1 << 30), Config::default()).unwrap();
+/// let p = a.alloc(1000, Stream::DEFAULT).unwrap();
+/// let s = a.stats();
+/// assert_eq!((s.allocs, s.requested.current, s.allocated.current), (1, 1000, 1024));
+/// a.free(p, Stream::DEFAULT).unwrap();
+/// assert_eq!((a.stats().requested.current, a.stats().requested.peak), (0, 1000));
+/// ```
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct Stats {
     /// Bytes requested by live allocations.
@@ -132,6 +143,18 @@ pub struct Stats {
 
 /// A fragmentation and layout report, computed on demand by walking every structure
 /// (slower: use for monitoring and diagnosis, not per operation).
+///
+/// ```
+/// use stitch_alloc::{Allocator, Config, Stream};
+/// use stitch_alloc::driver::SimDriver;
+/// let a = Allocator::new(SimDriver::with_capacity(1 << 30), Config::default()).unwrap();
+/// let p = a.alloc(1000, Stream::DEFAULT).unwrap();
+/// let d = a.detailed_stats();
+/// assert_eq!(d.rounding_waste, 24); // 1000 bytes rounded to 1024
+/// assert_eq!(d.small_pages, 1);
+/// assert_eq!(d.granularity, 2 << 20);
+/// # a.free(p, Stream::DEFAULT).unwrap();
+/// ```
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct DetailedStats {
     /// The cheap counters at the same moment.
