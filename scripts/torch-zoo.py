@@ -81,8 +81,9 @@ def _train_llm(torch, rng, steps, layers, hidden, max_batch, max_seq, ckpt=False
     if ckpt:
         model.gradient_checkpointing_enable()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    losses = []
+    losses, step_seconds = [], []
     for _ in range(steps):
+        t0 = time.perf_counter()
         b, s = rng.randint(1, max_batch), rng.randint(64, max_seq)
         ids = torch.randint(3, 32000, (b, s), device="cuda")
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -90,9 +91,11 @@ def _train_llm(torch, rng, steps, layers, hidden, max_batch, max_seq, ckpt=False
         out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(round(out.loss.detach().float().item(), 4))
+        losses.append(round(out.loss.detach().float().item(), 4))  # synchronises
+        step_seconds.append(time.perf_counter() - t0)
         del out, ids
-    return {"steps": steps, "losses": losses, "_keep": (model, opt)}
+    return {"steps": steps, "losses": losses, "step_seconds": step_seconds,
+            "_keep": (model, opt)}
 
 
 def w_llm_train_s(torch, rng, quick):
@@ -152,16 +155,19 @@ def w_bert_encode(torch, rng, quick):
                      num_attention_heads=12, intermediate_size=3072, max_position_embeddings=512)
     with torch.device("cuda"):
         model = BertModel(cfg).half().eval()
-    n = 0
+    n, step_seconds = 0, []
     with torch.inference_mode():
         for _ in range(8 if quick else 40):
+            t0 = time.perf_counter()
             b, s = rng.randint(1, 64), rng.randint(16, 512)
             ids = torch.randint(100, cfg.vocab_size, (b, s), device="cuda")
             out = model(input_ids=ids, attention_mask=torch.ones_like(ids))
             emb = out.last_hidden_state.mean(dim=1)  # sentence embeddings, as sbert pools
             n += emb.shape[0]
+            torch.cuda.synchronize()
+            step_seconds.append(time.perf_counter() - t0)
             del out, ids, emb
-    return {"sentences": n, "_keep": model}
+    return {"sentences": n, "step_seconds": step_seconds, "_keep": model}
 
 
 def _train_timm(torch, rng, name, steps, lo, hi):
@@ -453,6 +459,28 @@ def table(results):
     return "\n".join(lines)
 
 
+def throughput(results):
+    """Median step time of each run (steps after the first two), then the median and range
+    over the runs of each (workload, allocator), and the ratio of medians to default's."""
+    from statistics import median
+
+    runs = {}
+    for r in results:
+        st = r.get("step_seconds") or []
+        if r.get("ok") and len(st) > 3:
+            runs.setdefault((r["workload"], r["config"]), []).append(median(st[2:]))
+    if not runs:
+        return ""
+    lines = ["| workload | allocator | runs | median step | range over runs | speed vs default |",
+             "|---|---|---|---|---|---|"]
+    for (w, c), v in sorted(runs.items()):
+        ref = runs.get((w, "default"))
+        rel = f"{median(ref) / median(v):.3f}" if ref else ""
+        lines.append(f"| {w} | {c} | {len(v)} | {median(v) * 1e3:.1f} ms | "
+                     f"{min(v) * 1e3:.1f}-{max(v) * 1e3:.1f} ms | {rel} |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workloads", default=",".join(WORKLOADS))
@@ -468,6 +496,11 @@ def main(argv=None):
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--lib", default=None)
     p.add_argument("--stitch-conf", default="backend:cuda,log:error")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run every (workload, allocator) this many times, interleaved "
+                        "(use --jobs 1 for times that compare): the throughput table gives "
+                        "the median step time over the runs (steps after the first two) and "
+                        "the range")
     p.add_argument("--list", action="store_true")
     p.add_argument("--child", choices=sorted(CONFIGS), help=argparse.SUPPRESS)
     p.add_argument("--workload", choices=sorted(WORKLOADS), help=argparse.SUPPRESS)
@@ -489,7 +522,7 @@ def main(argv=None):
         if c not in CONFIGS:
             p.error(f"unknown config {c!r}")
     os.makedirs(a.out, exist_ok=True)
-    jobs = [(w, c) for w in ws for c in cs]
+    jobs = [(w, c) for _ in range(max(1, a.repeat)) for w in ws for c in cs]
     results = []
     with cf.ThreadPoolExecutor(max_workers=max(1, a.jobs)) as ex:
         futs = {ex.submit(run_one, a, w, c): (w, c) for w, c in jobs}
@@ -520,7 +553,13 @@ def main(argv=None):
                                             capture_output=True, text=True).stdout.strip()
         except OSError:
             pass
-    text = table(results)
+    try:
+        meta["gpu_clocks"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,clocks.max.sm,temperature.gpu",
+             "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        pass
+    text = table(results) + "\n\n" + throughput(results)
     with open(os.path.join(a.out, "zoo.json"), "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1)
     with open(os.path.join(a.out, "zoo.md"), "w") as f:
