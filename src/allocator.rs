@@ -3,10 +3,10 @@
 
 use crate::config::Config;
 use crate::driver::{Driver, Stream};
-use crate::engine::{Engine, Layout};
+use crate::engine::{Engine, Layout, Step};
 use crate::error::{AllocError, Result};
 use crate::stats::{DetailedStats, Stats};
-use parking_lot::Mutex;
+use parking_lot::{Mutex, MutexGuard};
 use std::fmt;
 
 /// A device address handed out by the allocator.
@@ -145,7 +145,20 @@ impl<D: Driver> Allocator<D> {
     /// ```
     pub fn alloc(&self, size: u64, stream: Stream) -> Result<DevicePtr> {
         let mut e = self.engine.lock();
-        let r = e.alloc(&self.driver, size, stream).map(DevicePtr);
+        let mut rounds = 0;
+        let r = loop {
+            match e.alloc_step(&self.driver, size, stream, rounds) {
+                Ok(Step::Done(p)) => break Ok(DevicePtr(p)),
+                Ok(Step::Wait(ev)) => {
+                    // Wait for in-flight work without the lock: other threads' fast paths
+                    // (and frees from host callbacks on the awaited stream) go on meanwhile.
+                    let r = MutexGuard::unlocked(&mut e, || self.driver.wait_event(ev));
+                    e.waited(&self.driver, ev, r);
+                    rounds += 1;
+                }
+                Err(err) => break Err(err),
+            }
+        };
         self.check(&e);
         r
     }

@@ -241,3 +241,45 @@ fn failed_construction_leaks_nothing() {
         assert!(dev.inner().leak_report().is_clean());
     }
 }
+
+/// A case `random_faults_host` found (2026-12-01, 2,000 cases): with faults injected, a slow
+/// path waited for a stream's fence, and on the next try an owner's block was no longer free.
+#[test]
+fn random_faults_host_regression_1() {
+    use Op::*;
+    let ops = [
+        Alloc { size: 1, stream: 0 },
+        Alloc { size: 1, stream: 0 },
+        Alloc { size: 1, stream: 0 },
+        Alloc { size: 1, stream: 0 },
+        EmptyCache,
+        Alloc {
+            size: 4194305,
+            stream: 0,
+        },
+        Alloc { size: 1, stream: 2 },
+        Launch { pick: 516896414 },
+        Free { pick: 49100774 },
+        Free { pick: 0 },
+        Alloc {
+            size: 8388609,
+            stream: 0,
+        },
+        Alloc { size: 1, stream: 0 },
+        Complete { stream: 0 },
+        Free { pick: 1128768392 },
+        Alloc {
+            size: 58720256,
+            stream: 0,
+        },
+    ];
+    let totals = Mutex::new(Totals::default());
+    let dev = FaultyDriver::new(HostDriver::with_capacity(64 * MIB).unwrap());
+    let kinds = &INJECTABLE[..9];
+    dev.fail_randomly(kinds, 0.1, 2701901258531916570);
+    let cfg = Config::default()
+        .with_capacity(Capacity::Bytes(64 * MIB))
+        .with_reserve_slack(0.0, 0)
+        .with_handle_sizes(0, 8 * MIB);
+    fault_case(dev, cfg, &ops, kinds, 0.1, &totals).unwrap();
+}

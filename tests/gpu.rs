@@ -468,6 +468,79 @@ fn gpu_free_then_stitch_on_other_stream_waits_for_the_writer() {
     assert!(leaks.is_clean(), "device still holds {leaks:?}");
 }
 
+/// Issue #13 item 8 on the device: a slow path that must wait for a long writer on stream 1
+/// waits without the allocator's lock, so small allocations and frees on another thread go
+/// on meanwhile. Prints both threads' timings (the figures in design/gpu-results.md).
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-check.sh run)"]
+fn gpu_fast_path_goes_on_while_a_slow_path_waits_behind_a_long_kernel() {
+    let Some(d) = gpu("gpu_fast_path_goes_on_while_a_slow_path_waits_behind_a_long_kernel") else {
+        return;
+    };
+    const BLOCK: u64 = 256 * MIB;
+    const WRITES: u32 = 1200; // about 100 ms of memsets over 768 MiB on an H200
+    let s1 = d.create_stream(true).unwrap();
+    let s2 = d.create_stream(true).unwrap();
+    let (st1, st2) = (s1.stream(), s2.stream());
+    let a = std::sync::Arc::new(
+        Allocator::new(
+            d,
+            Config::default().with_capacity(Capacity::Bytes(4 * BLOCK)),
+        )
+        .unwrap(),
+    );
+    let warm = a.alloc(4096, st2).unwrap();
+    a.free(warm, st2).unwrap();
+    let blk = a.alloc(3 * BLOCK, st1).unwrap();
+    for i in 0..WRITES {
+        a.driver()
+            .memset_d32_async(blk.0, i, 3 * BLOCK / 4, st1)
+            .unwrap();
+    }
+    a.free(blk, st1).unwrap();
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let t0 = Instant::now();
+    let waiter = {
+        let (a, done) = (a.clone(), done.clone());
+        std::thread::spawn(move || {
+            // Needs the writer's memory: waits for stream 1.
+            let p = a.alloc(2 * BLOCK, st2);
+            let took = t0.elapsed();
+            done.store(true, std::sync::atomic::Ordering::SeqCst);
+            (p, took)
+        })
+    };
+    let mut lat = Vec::new();
+    while !done.load(std::sync::atomic::Ordering::SeqCst) {
+        let t = Instant::now();
+        let p = a.alloc(4096, st2).unwrap();
+        a.free(p, st2).unwrap();
+        lat.push(t.elapsed());
+    }
+    let (p, waited) = waiter.join().unwrap();
+    let p = p.unwrap();
+    lat.sort();
+    let max = *lat.last().unwrap();
+    let p50 = lat[lat.len() / 2];
+    eprintln!(
+        "slow path waited {waited:?} for the writer; meanwhile {} fast-path alloc+free pairs \
+         on another thread: p50 {p50:?}, max {max:?}; event waits {}",
+        lat.len(),
+        a.stats().event_waits
+    );
+    assert!(
+        waited.as_millis() >= 20,
+        "the writer finished too soon ({waited:?}) to prove anything: raise WRITES"
+    );
+    assert!(
+        max * 4 < waited,
+        "a fast-path pair took {max:?} while the slow path waited {waited:?}: it was blocked"
+    );
+    a.free(p, st2).unwrap();
+    a.validate().unwrap();
+    assert_eq!(a.shutdown().leaked_allocations, 0);
+}
+
 // ---------------------------------------------------------------------------------------
 // The same bodies on the host backend (always run).
 

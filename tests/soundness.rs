@@ -295,3 +295,118 @@ fn teardown_waits_for_work_on_live_memory() {
     drop(a);
     assert!(sim.leak_report().is_clean(), "{:?}", sim.leak_report());
 }
+
+/// Defect 8 (the first half): a slow path that found no room waited for every in-flight
+/// free on every stream, though one stream's frees were enough. Now it waits for the fence
+/// that frees the most, tries again, and waits for more only if that was not enough.
+#[test]
+fn a_slow_path_waits_only_for_what_the_request_needs() {
+    let sim = Arc::new(SimDriver::with_capacity(GIB));
+    let cfg = Config::default().with_capacity(Capacity::Bytes(256 * MIB));
+    let a = Allocator::new(sim.clone(), cfg).unwrap();
+    let (s1, s2, s3) = (Stream::sim(1), Stream::sim(2), Stream::sim(3));
+    let big = a.alloc(120 * MIB, s1).unwrap();
+    let small = a.alloc(100 * MIB, s2).unwrap();
+    let w1 = sim.launch(s1, big.0, 120 * MIB);
+    let w2 = sim.launch(s2, small.0, 100 * MIB);
+    a.free(big, s1).unwrap();
+    a.free(small, s2).unwrap();
+    // 220 MiB in flight, 36 MiB never used: 90 MiB needs one of the two streams' frees.
+    let p = a.alloc(90 * MIB, s3).unwrap();
+    let st = a.stats();
+    assert_eq!(st.event_waits, 1, "one wait is enough");
+    assert!(
+        sim.work_done(w1),
+        "the larger in-flight free was waited for"
+    );
+    assert!(
+        !sim.work_done(w2),
+        "the other stream's work was not waited for"
+    );
+    a.free(p, s3).unwrap();
+    a.validate().unwrap();
+    sim.complete_all();
+    drop(a);
+    assert!(sim.leak_report().is_clean());
+}
+
+/// A simulator whose `wait_event` blocks until the test opens the gate: a slow path that
+/// waits for the device stays in its wait as long as the test likes.
+struct Gated {
+    sim: Arc<SimDriver>,
+    open: Mutex<bool>,
+    cv: parking_lot::Condvar,
+    /// Waits that have entered the gate so far.
+    entered: AtomicU64,
+}
+
+impl Forward for Gated {
+    type Inner = SimDriver;
+    fn inner(&self) -> &SimDriver {
+        &self.sim
+    }
+    fn before(&self, call: &Call) -> DriverResult<()> {
+        if let Call::WaitEvent { .. } = call {
+            self.entered.fetch_add(1, Ordering::SeqCst);
+            let mut open = self.open.lock();
+            while !*open {
+                self.cv.wait(&mut open);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Defect 8 (the second half): the slow path waited for the device while holding the lock
+/// that every allocation and free takes, so a fast-path allocation or free on another thread
+/// (autograd, a NCCL watchdog, a host callback freeing on the awaited stream) queued behind
+/// a long kernel, or deadlocked. Now the wait runs without the lock.
+#[test]
+fn a_fast_path_goes_on_while_a_slow_path_waits_for_the_device() {
+    let sim = Arc::new(SimDriver::with_capacity(GIB));
+    let g = Arc::new(Gated {
+        sim: sim.clone(),
+        open: Mutex::new(false),
+        cv: parking_lot::Condvar::new(),
+        entered: AtomicU64::new(0),
+    });
+    let cfg = Config::default().with_capacity(Capacity::Bytes(256 * MIB));
+    let a = Arc::new(Allocator::new(g.clone(), cfg).unwrap());
+    let (s1, s2) = (Stream::sim(1), Stream::sim(2));
+    // A small page, warm, for the other thread's fast path.
+    let warm = a.alloc(4096, s2).unwrap();
+    a.free(warm, s2).unwrap();
+    let big = a.alloc(200 * MIB, s1).unwrap();
+    sim.launch(s1, big.0, 200 * MIB); // the "long kernel"
+    a.free(big, s1).unwrap();
+    let waiter = {
+        let a = a.clone();
+        std::thread::spawn(move || a.alloc(150 * MIB, s2))
+    };
+    let t0 = std::time::Instant::now();
+    while g.entered.load(Ordering::SeqCst) == 0 {
+        assert!(t0.elapsed().as_secs() < 20, "the slow path never waited");
+        std::thread::yield_now();
+    }
+    let (tx, rx) = std::sync::mpsc::channel();
+    let fast = {
+        let a = a.clone();
+        std::thread::spawn(move || {
+            let p = a.alloc(4096, s2).unwrap();
+            a.free(p, s2).unwrap();
+            tx.send(()).unwrap();
+        })
+    };
+    let went_on = rx.recv_timeout(std::time::Duration::from_secs(5)).is_ok();
+    *g.open.lock() = true;
+    g.cv.notify_all();
+    fast.join().unwrap();
+    let p = waiter.join().unwrap().unwrap();
+    assert!(
+        went_on,
+        "a fast-path alloc and free waited for another thread's wait on the device"
+    );
+    a.free(p, s2).unwrap();
+    a.validate().unwrap();
+    sim.complete_all();
+}

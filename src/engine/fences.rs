@@ -116,6 +116,14 @@ pub(crate) struct Fences {
     /// Streams other than the allocating one that used a live block (`record_stream`),
     /// by block id; only live blocks have an entry.
     pub(crate) extra_streams: FxHashMap<u32, Vec<Stream>>,
+    /// Events lent to threads waiting for them outside the engine's lock
+    /// ([`Engine::wait_target`]), with how many waiters hold each. A lent event is never
+    /// destroyed: a destroy while it is lent parks it in `orphaned` until its last waiter is
+    /// back ([`Engine::waited`]).
+    pub(crate) lent: FxHashMap<EventId, u32>,
+    /// Lent events nothing but their waiters refer to any more; destroyed when returned.
+    /// Every entry is a key of `lent`.
+    pub(crate) orphaned: Vec<EventId>,
 }
 
 impl Fences {
@@ -133,6 +141,8 @@ impl Fences {
             pending: Vec::new(),
             undestroyed_events: Vec::new(),
             extra_streams: FxHashMap::default(),
+            lent: FxHashMap::default(),
+            orphaned: Vec::new(),
         }
     }
 
@@ -262,6 +272,12 @@ impl Fences {
                 return Err(format!("pending block {i} is not in the pending list"));
             }
         }
+        if let Some(e) = self.orphaned.iter().find(|e| !self.lent.contains_key(e)) {
+            return Err(format!("orphaned event {e:?} is not lent"));
+        }
+        if self.lent.values().any(|&n| n == 0) {
+            return Err("an event is lent to no waiter".into());
+        }
         for &i in self.extra_streams.keys() {
             if !matches!(
                 blocks.get(i as usize).map(|b| b.state),
@@ -368,8 +384,13 @@ impl Engine {
         self.fences.detach(k, dirty);
     }
 
-    /// Destroy an event; if the driver refuses, keep it to retry later (never leak it).
+    /// Destroy an event; if the driver refuses, keep it to retry later (never leak it). An
+    /// event lent to a waiter is destroyed when the last one is back.
     pub(super) fn destroy_event<D: Driver + ?Sized>(&mut self, d: &D, e: EventId) {
+        if self.fences.lent.contains_key(&e) {
+            self.fences.orphaned.push(e);
+            return;
+        }
         if let Err(err) = self.driver_call(DriverOp::DestroyEvent, || d.destroy_event(e)) {
             tracing::warn!(%err, "could not destroy an event; will retry");
             self.fences.undestroyed_events.push(e);
@@ -513,10 +534,14 @@ impl Engine {
         if !self.fences.pending[j].unfenced.is_empty() {
             return false;
         }
-        for idx in 0..self.fences.pending[j].events.len() {
-            let e = self.fences.pending[j].events[idx];
+        // Completed events are dropped as they are found, so `events[0]` is always one not
+        // known to have completed (what `wait_target` lends).
+        while let Some(&e) = self.fences.pending[j].events.first() {
             match self.event_done(d, e, wait) {
-                Ok(true) => {}
+                Ok(true) => {
+                    self.fences.pending[j].events.remove(0);
+                    self.destroy_event(d, e);
+                }
                 Ok(false) => return false,
                 Err(err) => {
                     tracing::warn!(%err, "querying the event of a pending free failed");
@@ -546,6 +571,93 @@ impl Engine {
                 self.arena.coalesce_insert(p.block);
             } else {
                 j += 1;
+            }
+        }
+    }
+
+    /// The one event a slow path should wait for next, outside the lock: of the streams'
+    /// fences and the first open event of each multi-stream free, the one whose completion
+    /// makes the most free bytes clean (ties: owners in table order, then pending frees).
+    /// The requesting stream's own fence counts too: its dirty blocks are reusable by it in
+    /// place, but only clean ones can be stitched. `None`: nothing in flight could help. The
+    /// event is lent (never destroyed) until [`Engine::waited`] returns it.
+    ///
+    /// Call after `poll(d, false)`, so every fence left is one not known to have completed.
+    pub(crate) fn wait_target(&mut self) -> Option<EventId> {
+        let mut best: Option<(u64, EventId)> = None;
+        let mut blocks = Vec::new();
+        for k in 1..self.fences.owners.len() {
+            let k = OwnerId(k as u32);
+            let o = self.fences.owner(k);
+            let Some((e, _)) = o.fence else { continue };
+            if !matches!(o.standing, Standing::Active | Standing::Failing) {
+                continue;
+            }
+            // All of the owner's dirty bytes, not only those the fence covers: a free after
+            // the fence may have merged with covered ones (the merged block takes the later
+            // free's count); once the fence completes, the next poll fences the rest anew.
+            blocks.clear();
+            self.arena.collect_free(k, &mut blocks);
+            let gain: u64 = blocks
+                .iter()
+                .map(|&b| self.arena.blocks[b as usize].size)
+                .sum();
+            if gain > 0 && best.is_none_or(|(g, _)| gain > g) {
+                best = Some((gain, e));
+            }
+        }
+        for p in &self.fences.pending {
+            if p.lost || !p.unfenced.is_empty() {
+                continue;
+            }
+            let Some(&e) = p.events.first() else { continue };
+            let gain = self.arena.blocks[p.block as usize].size;
+            if best.is_none_or(|(g, _)| gain > g) {
+                best = Some((gain, e));
+            }
+        }
+        let (_, e) = best?;
+        *self.fences.lent.entry(e).or_insert(0) += 1;
+        Some(e)
+    }
+
+    /// A waiter lent `e` by [`Engine::wait_target`] is back with the wait's `result`. On
+    /// success the next poll finds `e` complete; on failure the owner whose fence it is
+    /// drops it (its frees stay dirty until a new fence works) and a pending free keeps it
+    /// (queried again later).
+    pub(crate) fn waited<D: Driver + ?Sized>(
+        &mut self,
+        d: &D,
+        e: EventId,
+        result: crate::driver::DriverResult<()>,
+    ) {
+        self.stats.calls.add(DriverOp::WaitEvent);
+        match &result {
+            Ok(()) => self.stats.event_waits += 1,
+            Err(err) => {
+                let k = (1..self.fences.owners.len())
+                    .map(|k| OwnerId(k as u32))
+                    .find(|&k| matches!(self.fences.owner(k).fence, Some((f, _)) if f == e));
+                if let Some(k) = k {
+                    self.fences.owner_mut(k).fence = None;
+                    self.fence_failed(k, err);
+                    self.destroy_event(d, e);
+                } else {
+                    tracing::warn!(%err, "waiting for the event of a pending free failed");
+                }
+            }
+        }
+        let n = self
+            .fences
+            .lent
+            .get_mut(&e)
+            .expect("a lent event comes back");
+        *n -= 1;
+        if *n == 0 {
+            self.fences.lent.remove(&e);
+            if let Some(i) = self.fences.orphaned.iter().position(|&x| x == e) {
+                self.fences.orphaned.swap_remove(i);
+                self.destroy_event(d, e);
             }
         }
     }

@@ -55,6 +55,21 @@ use va::VaSpace;
 /// size: it would pin memory that larger requests could use whole.
 const OVERFIT: u64 = 4;
 
+/// Waits for in-flight frees one slow path may ask its caller for before it waits for all
+/// of them itself (under the caller's lock). Each wait completes at least one fence, so a
+/// request that enough in-flight frees could satisfy needs only as many waits as fences.
+pub(crate) const MAX_WAIT_ROUNDS: u32 = 64;
+
+/// What one allocation try ([`Engine::alloc_step`]) came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Step {
+    /// Allocated at this address.
+    Done(u64),
+    /// Nothing fits until this in-flight event completes: wait for it (without the lock
+    /// that fast paths take), hand it back with [`Engine::waited`], try again.
+    Wait(crate::driver::EventId),
+}
+
 /// The engine state (see the module docs). Each part checks its own invariants; `validate`
 /// checks them all and the facts that tie the parts together.
 pub(crate) struct Engine {
@@ -147,13 +162,40 @@ impl Engine {
         f()
     }
 
-    /// Allocate `size` bytes for use on `stream`.
+    /// Allocate `size` bytes for use on `stream`, waiting for in-flight frees inside the
+    /// call when that is what it takes (engine tests and single-threaded users; the
+    /// [`crate::Allocator`] waits outside its lock instead, through [`Engine::alloc_step`]).
+    #[cfg_attr(not(test), allow(dead_code))]
     pub(crate) fn alloc<D: Driver + ?Sized>(
         &mut self,
         d: &D,
         size: u64,
         stream: Stream,
     ) -> Result<u64> {
+        let mut rounds = 0;
+        loop {
+            match self.alloc_step(d, size, stream, rounds)? {
+                Step::Done(p) => return Ok(p),
+                Step::Wait(e) => {
+                    let r = d.wait_event(e);
+                    self.waited(d, e, r);
+                    rounds += 1;
+                }
+            }
+        }
+    }
+
+    /// One try at allocating `size` bytes for use on `stream`: the address, or an event to
+    /// wait for (lent by [`Engine::wait_target`]; give it back with [`Engine::waited`])
+    /// before trying again with `rounds` one higher. After [`MAX_WAIT_ROUNDS`] such waits
+    /// the slow path waits for everything in flight itself, so a caller's loop ends.
+    pub(crate) fn alloc_step<D: Driver + ?Sized>(
+        &mut self,
+        d: &D,
+        size: u64,
+        stream: Stream,
+        rounds: u32,
+    ) -> Result<Step> {
         if self.shut_down {
             return Err(AllocError::ShutDown);
         }
@@ -186,11 +228,11 @@ impl Engine {
                 pool == Pool::Large && self.arena.blocks[i as usize].size / OVERFIT >= rsize;
             if !overfit || !self.policy.may_create(&self.cfg, &self.stats, size) {
                 self.stats.fast_allocs += 1;
-                return Ok(self.take(i, rsize, size, stream));
+                return Ok(Step::Done(self.take(i, rsize, size, stream)));
             }
-            return self.alloc_slow(d, size, rsize, pool, stream, true);
+            return self.alloc_slow(d, (size, rsize, pool, stream), (true, rounds));
         }
-        self.alloc_slow(d, size, rsize, pool, stream, false)
+        self.alloc_slow(d, (size, rsize, pool, stream), (false, rounds))
     }
 
     /// Hand out `rsize` bytes of free block `i`, placed where it strands the fewest free
@@ -235,16 +277,18 @@ impl Engine {
         self.apply(d, plan)
     }
 
+    /// The slow path: poll, plan and grow, or ask the caller to wait. `(overfit, rounds)`:
+    /// whether the fast path found only a block far too large, and how many waits this
+    /// request has made so far.
     fn alloc_slow<D: Driver + ?Sized>(
         &mut self,
         d: &D,
-        size: u64,
-        rsize: u64,
-        pool: Pool,
-        stream: Stream,
-        overfit: bool,
-    ) -> Result<u64> {
-        self.stats.slow_allocs += 1;
+        (size, rsize, pool, stream): (u64, u64, Pool, Stream),
+        (overfit, rounds): (bool, u32),
+    ) -> Result<Step> {
+        if rounds == 0 {
+            self.stats.slow_allocs += 1;
+        }
         let _span =
             tracing::debug_span!("alloc_slow", size, ?pool, stream = stream.raw()).entered();
         // Frees fenced since the last slow path may have become clean and merged.
@@ -258,8 +302,15 @@ impl Engine {
             Some(_) => Grow::Done,
             None => self.grow(d, pool, rsize, stream)?,
         };
-        if grown != Grow::Done {
-            // Block until every outstanding free is usable, then try once more.
+        if grown != Grow::Done && rounds < MAX_WAIT_ROUNDS {
+            // Wait for the one in-flight free that helps most, then try again; the caller
+            // waits, outside its lock if it holds one.
+            if let Some(e) = self.wait_target() {
+                return Ok(Step::Wait(e));
+            }
+        } else if grown != Grow::Done {
+            // A caller that went round this often: block until every outstanding free is
+            // usable, then try once more.
             self.poll(d, true)?;
             grown = match self.find_exhaustive(rsize, pool, stream) {
                 Some(_) => Grow::Done,
@@ -275,7 +326,7 @@ impl Engine {
         let i = self
             .find_exhaustive(rsize, pool, stream)
             .expect("growing made room");
-        Ok(self.take(i, rsize, size, stream))
+        Ok(Step::Done(self.take(i, rsize, size, stream)))
     }
 
     /// Free the allocation at `ptr`, whose last use is on `stream`.

@@ -72,9 +72,31 @@ impl Engine {
         Ok(r)
     }
 
+    /// The free block that holds mapped candidate `c` now. The plan named the block when it
+    /// was made; an earlier step of the same plan (a release carving other handles out of
+    /// that block) may have split it since, leaving `c` in one of the pieces.
+    fn block_of(&self, c: &Candidate) -> u32 {
+        let b = &self.arena.blocks[c.block as usize];
+        let holds = |b: &super::arena::Block| {
+            matches!(b.state, State::Free { .. })
+                && b.addr <= c.addr
+                && c.addr + c.size <= b.addr + b.size
+        };
+        if holds(b) {
+            return c.block;
+        }
+        let piece = self
+            .arena
+            .blocks
+            .iter()
+            .position(holds)
+            .expect("a planned candidate is still free");
+        piece as u32
+    }
+
     /// Turn a free mapped handle into a page of `pool` where it sits.
     fn retag(&mut self, c: Candidate, pool: Pool) {
-        let m = self.arena.carve(c.block, c.addr, c.size);
+        let m = self.arena.carve(self.block_of(&c), c.addr, c.size);
         self.arena.blocks[m as usize].pool = pool;
         self.arena.list(m);
         tracing::debug!(size = c.size, ?pool, "free handle reused as a page");
@@ -83,7 +105,7 @@ impl Engine {
     /// Carve a clean mapped candidate out of its block and unmap it. On an unmap failure
     /// the handle stays mapped as a standalone clean free block.
     fn detach<D: Driver + ?Sized>(&mut self, d: &D, c: Candidate) -> DriverResult<()> {
-        let m = self.arena.carve(c.block, c.addr, c.size);
+        let m = self.arena.carve(self.block_of(&c), c.addr, c.size);
         match self.driver_call(DriverOp::Unmap, || d.unmap(c.addr, c.size)) {
             Ok(()) => {
                 self.arena.vacate(m);
@@ -310,7 +332,7 @@ impl Engine {
             if c.block == NIL {
                 self.handles.unmapped.retain(|&h| h != c.handle);
             } else if !c.owner.is_clean() {
-                let m = self.arena.carve(c.block, c.addr, c.size);
+                let m = self.arena.carve(self.block_of(&c), c.addr, c.size);
                 aliased.push((m, c));
                 continue;
             } else if let Err(e) = self.detach(d, c) {

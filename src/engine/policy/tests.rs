@@ -233,3 +233,41 @@ fn without_stitching_at_the_capacity_free_handles_are_released_first() {
     assert_eq!(plan(&e, Pool::Large, cap).steps, vec![Step::Short]);
     e.teardown(&d);
 }
+
+/// A plan that releases some handles of a free block and stitches another handle of the
+/// same block: the release carves that block up, so the build finds its candidate in
+/// whichever piece holds it now (it named a block id that no longer covers it and panicked
+/// until 2026-12-01; found by `random_faults_host` with 2,000 cases).
+#[test]
+fn a_build_after_a_release_of_the_same_block_finds_its_candidate() {
+    let mut cfg = Config::default().with_reserve_slack(0.0, 0);
+    cfg.max_handle = 2 * M;
+    let (d, mut e) = engine(cfg);
+    let s = Stream::DEFAULT;
+    let p = e.alloc(&d, 8 * M, s).unwrap();
+    e.free(&d, p, s).unwrap();
+    e.poll(&d, true).unwrap();
+    let mut cands = stitch_candidates(&e.arena, &e.handles, None);
+    cands.sort_by_key(|c| c.addr);
+    assert_eq!(cands.len(), 4, "one free block of four handles: {cands:?}");
+    assert!(cands.iter().all(|c| c.block == cands[0].block));
+    let keep = cands.remove(2);
+    let plan = Plan {
+        steps: vec![
+            Step::Release(cands),
+            Step::Build(BuildPlan {
+                chosen: vec![keep],
+                create: Create::Exact(4 * M),
+                handle_size: 2 * M,
+                recreated: 3,
+                pool: Pool::Large,
+                extend: None,
+                short_without_room: false,
+            }),
+        ],
+    };
+    assert_eq!(e.apply(&d, plan).unwrap(), Grow::Done);
+    e.validate().unwrap();
+    assert_eq!(e.stats.handles, 3, "one kept, two created, three released");
+    e.teardown(&d);
+}
