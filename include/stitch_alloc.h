@@ -146,6 +146,15 @@ void stitch_memory_fraction(double fraction, int device);
 void stitch_record_stream(void* ptr, void* stream);
 
 /*
+ * Call before destroying a stream that memory of `device` was freed on (your own
+ * cudaStreamDestroy, a torch.cuda.ExternalStream): fences and waits for the frees made on
+ * it, so the library never records an event on it afterwards. Returns 0, or -1 on error
+ * (see stitch_last_error; its freed memory then stays unusable by other streams until the
+ * process ends, and is never unmapped under queued work).
+ */
+int stitch_retire_stream(int device, void* stream);
+
+/*
  * Release the physical memory of the free handles of one device. Returns 0, or -1 on error
  * (device out of range, invalid configuration, driver failure; see stitch_last_error).
  */

@@ -169,6 +169,7 @@ def _declare(lib):
         "stitch_memory_fraction": (None, [c.c_double, c.c_int]),
         "stitch_record_stream": (None, [c.c_void_p, c.c_void_p]),
         "stitch_empty_cache": (c.c_int, [c.c_int]),
+        "stitch_retire_stream": (c.c_int, [c.c_int, c.c_void_p]),
         "stitch_stats_json": (c.c_char_p, [c.c_int]),
         "stitch_last_error": (c.c_char_p, []),
         "stitch_clear_error": (None, []),
@@ -514,4 +515,17 @@ def empty_cache(device=None):
         lib.stitch_reset()
         return
     if lib.stitch_empty_cache(_device_index(device)) != 0:
+        raise RuntimeError(f"stitch_alloc: {_err(lib)}")
+
+
+def retire_stream(stream, device=None):
+    """Call before destroying a stream that stitch-alloc memory was freed on (your own
+    ``cudaStreamDestroy``, a ``torch.cuda.ExternalStream``): waits for the frees made on it,
+    so the library never records an event on it later. ``stream`` is a
+    ``torch.cuda.Stream``/``ExternalStream`` or a raw ``cudaStream_t`` as an int."""
+    lib = load_library()
+    raw = getattr(stream, "cuda_stream", stream)
+    if device is None:
+        device = getattr(getattr(stream, "device", None), "index", None)
+    if lib.stitch_retire_stream(_device_index(device), ctypes.c_void_p(int(raw))) != 0:
         raise RuntimeError(f"stitch_alloc: {_err(lib)}")

@@ -218,3 +218,15 @@ def test_prealloc_through_the_configuration(libpath):
     res = json.loads(line[-1][len("RESULT "):])
     assert res["pre"] == 128 << 20
     assert res["after"] == res["calls"], res
+
+
+def test_retire_stream(lib):
+    lib.stitch_clear_error()
+    stream = 0x44
+    p = lib.stitch_malloc(3 << 20, 0, stream)
+    assert p
+    lib.stitch_free(p, 3 << 20, 0, stream)
+    stitch_alloc.retire_stream(stream, device=0)
+    assert stitch_alloc.last_error() == ""
+    with pytest.raises(RuntimeError, match="device"):
+        stitch_alloc.retire_stream(stream, device=99)

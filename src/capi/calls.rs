@@ -180,6 +180,37 @@ pub(super) fn empty_cache(rt: &Runtime, device: c_int) -> c_int {
     }
 }
 
+/// `stitch_retire_stream`: fence the frees made on `stream` and wait for them, so the
+/// caller may destroy the stream; 0, or -1 with the reason reported.
+pub(super) fn retire_stream(rt: &Runtime, device: c_int, stream: Stream) -> c_int {
+    let fail = |m: &str| {
+        report(
+            tracing::Level::WARN,
+            &format!(
+                "stitch_retire_stream(device={device}, stream={:#x}): {m}",
+                stream.raw()
+            ),
+        );
+        -1
+    };
+    if let Err(m) = rt.check_device(device) {
+        return fail(&m);
+    }
+    if let Some(p) = rt.poisoned(device as usize) {
+        return fail(p);
+    }
+    if rt.existing(device as usize).is_none() {
+        return 0; // nothing was freed on it (and no driver is touched)
+    }
+    match rt.with_alloc("stitch_retire_stream", device, |a, _| {
+        a.retire_stream(stream)
+    }) {
+        Ok(Ok(())) => 0,
+        Ok(Err(e)) => fail(&e.to_string()),
+        Err(m) => fail(&m),
+    }
+}
+
 /// `stitch_memory_fraction`: refused loudly (ERROR, and the last error) once the device has
 /// its allocator.
 pub(super) fn memory_fraction(rt: &Runtime, fraction: f64, device: c_int) {

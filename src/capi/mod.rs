@@ -204,6 +204,18 @@ pub extern "C" fn stitch_record_stream(ptr: *mut c_void, stream: *mut c_void) {
     })
 }
 
+/// Call before destroying a stream that memory was freed on (a `cudaStreamDestroy` of a
+/// stream of your own, a `torch.cuda.ExternalStream`): fences and waits for the frees made
+/// on it, so that nothing is recorded on it later. Returns 0, or -1 on error
+/// ([`stitch_last_error`]; its freed memory then stays unusable by others until the process
+/// ends, never unmapped under queued work).
+#[no_mangle]
+pub extern "C" fn stitch_retire_stream(device: c_int, stream: *mut c_void) -> c_int {
+    on_runtime("stitch_retire_stream", -1, |rt| {
+        calls::retire_stream(rt, device, torch_stream(stream))
+    })
+}
+
 /// The statistics of `device` as a JSON object (NUL-terminated UTF-8), or NULL on error
 /// ([`stitch_last_error`]). The string belongs to the library: it stays valid until the
 /// next `stitch_stats_json` call on the same thread. Do not free it.

@@ -246,6 +246,16 @@ static int run_main(void) {
     stitch_memory_fraction(1.5, 0);
     CHECK(error_has("(0, 1]"), "a fraction above 1 is reported");
 
+    /* Retiring a stream: frees made on it are fenced and waited for; then it may go. */
+    stitch_clear_error();
+    void* r = stitch_malloc(3 * MIB, 0, (void*)0x30);
+    CHECK(r != NULL, "malloc on a stream about to be retired");
+    stitch_free(r, 3 * MIB, 0, (void*)0x30);
+    CHECK(stitch_retire_stream(0, (void*)0x30) == 0 && error_empty(), "retire a stream");
+    CHECK(stitch_retire_stream(0, (void*)0x31) == 0, "retire a stream nothing was freed on");
+    CHECK(stitch_retire_stream(99, (void*)0x30) == -1 && error_has("device"),
+          "retire on a device out of range is an error");
+
     stitch_clear_error();
     stitch_record_stream((void*)0x5000, (void*)0x20);
     CHECK(error_has("not a live allocation"), "record_stream of an unknown pointer");
