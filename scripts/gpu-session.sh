@@ -82,8 +82,32 @@ zoo)
     [ -d "$zoo/snapshots" ] && tar cf - -C "$zoo" snapshots | split -b 15m - "$out/zoo-snapshots.tar.part-" &&
         ls -la "$out"
     ;;
+soak)
+    # scripts/torch-soak.py: 8 threads for ${SOAK_SECONDS:-180} s, then a short run under
+    # compute-sanitizer memcheck (4 threads, 10 s).
+    STITCH_ALLOC_LIB=$(pwd)/.gpu/libstitch_alloc.so PYTHONUNBUFFERED=1 \
+        timeout $((${SOAK_SECONDS:-180} + 150)) python3 scripts/torch-soak.py --seconds "${SOAK_SECONDS:-180}" \
+        2>&1 | tee "$out/soak.txt" | tail -12
+    echo "soak exit ${PIPESTATUS[0]}"
+    if command -v compute-sanitizer >/dev/null; then
+        STITCH_ALLOC_LIB=$(pwd)/.gpu/libstitch_alloc.so PYTHONUNBUFFERED=1 \
+            timeout 240 compute-sanitizer --tool memcheck --error-exitcode 97 \
+            python3 scripts/torch-soak.py --seconds 10 --threads 4 2>&1 | tee "$out/soak-memcheck.txt" | tail -8
+        echo "memcheck soak exit ${PIPESTATUS[0]}"
+    fi
+    ;;
+wait)
+    # Issue #13 item 8 before and after: the same GPU test built from main before the change
+    # (.gpu/bin/gpu_before, if carried) and now.
+    for b in gpu_before gpu; do
+        [ -x ".gpu/bin/$b" ] || continue
+        echo "== $b"
+        (cd .gpu && STITCH_REQUIRE_GPU=1 timeout 120 "./bin/$b" --test-threads=1 --nocapture \
+            --include-ignored gpu_fast_path_goes_on 2>&1 | grep -E "slow path waited|test result|panicked|fast-path pair")
+    done 2>&1 | tee "$out/wait.txt"
+    ;;
 *)
-    echo "usage: $0 build|suite|torch|zoo" >&2
+    echo "usage: $0 build|suite|torch|zoo|soak|wait" >&2
     exit 2
     ;;
 esac
