@@ -117,6 +117,15 @@ pub struct Config {
     /// have seen with remapping.
     #[serde(deserialize_with = "de_flag")]
     pub recreate: bool,
+    /// Contiguous growth (default on): a new large span (created or stitched) is mapped
+    /// right after the end of a mapped run and linked into it, as expandable segments grow
+    /// one segment at its end: a free tail of that run coalesces with the new memory into
+    /// one free block instead of staying stranded beside a span placed elsewhere, and free
+    /// blocks on either side of the join merge when they are freed. The run chosen is the
+    /// one with the largest clean free tail, else the one that ends highest; off places
+    /// each new span alone in the middle of the largest free address range.
+    #[serde(deserialize_with = "de_flag")]
+    pub contiguous: bool,
     /// Remap free handles into contiguous spans when no free span fits (default on). Off
     /// gives a plain caching allocator on VMM that releases and re-creates instead.
     #[serde(deserialize_with = "de_flag")]
@@ -166,6 +175,7 @@ impl Default for Config {
             handle_divisor: 16,
             split_min: 4 << 20,
             recreate: true,
+            contiguous: true,
             stitching: true,
             reserve_slack: 0.0,
             reserve_slack_min: 0,
@@ -418,6 +428,7 @@ impl Config {
             handle_divisor: self.handle_divisor.max(1),
             split_min,
             recreate: self.recreate,
+            contiguous: self.contiguous,
             stitching: self.stitching,
             reserve_slack: self.reserve_slack,
             reserve_slack_min: self.reserve_slack_min,
@@ -464,6 +475,7 @@ pub(crate) struct Resolved {
     /// A multiple of the granularity in `[granularity, max_handle]`.
     pub split_min: u64,
     pub recreate: bool,
+    pub contiguous: bool,
     pub stitching: bool,
     /// Finite, in `[0, MAX_RESERVE_SLACK]`.
     pub reserve_slack: f64,
