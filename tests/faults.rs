@@ -241,3 +241,42 @@ fn failed_construction_leaks_nothing() {
         assert!(dev.inner().leak_report().is_clean());
     }
 }
+
+#[test]
+fn a_failed_contiguous_growth_leaves_the_run_as_it_was() {
+    let shape = |h: &Harness<FaultyDriver<SimDriver>>| {
+        let l = h.alloc.snapshot();
+        serde_json::to_string(&(&l.runs, &l.handles)).unwrap()
+    };
+    for op in [DriverOp::Create, DriverOp::Map, DriverOp::SetAccess] {
+        let dev = FaultyDriver::new(SimDriver::with_capacity(256 * MIB));
+        let mut h = Harness::new(dev, Config::default().with_contiguous(true)).unwrap();
+        // 7 MiB in an 8 MiB span: a 1 MiB free tail that the next request grows.
+        h.apply(Op::Alloc {
+            size: 7 * MIB,
+            stream: 0,
+        })
+        .unwrap();
+        let before = shape(&h);
+        h.dev.fail_nth(op, 1);
+        h.apply(Op::Alloc {
+            size: 9 * MIB,
+            stream: 0,
+        })
+        .unwrap();
+        assert_eq!(h.dev.injected(), 1, "{op:?} was called");
+        assert_eq!(
+            shape(&h),
+            before,
+            "{op:?}: rolled back to the layout before"
+        );
+        h.dev.set_enabled(false);
+        h.apply(Op::Alloc {
+            size: 9 * MIB,
+            stream: 0,
+        })
+        .unwrap();
+        assert_eq!(h.alloc.stats().reserved.current, 16 * MIB, "{op:?}");
+        h.finish().unwrap();
+    }
+}
