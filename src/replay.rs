@@ -67,6 +67,9 @@ pub struct ReplayOptions {
     /// stream, and that work completes `gpu_lag` events later. Freed memory then stays in
     /// use by the device for a while, as under a real framework whose CPU thread runs ahead.
     pub gpu_lag: usize,
+    /// Keep the allocator's whole layout when reserved last reached its peak
+    /// ([`ReplayReport::peak_layout`], for diagnosis; slow on traces that grow often).
+    pub peak_layout: bool,
 }
 
 /// Live and reserved bytes over the event index, with stitches and failures marked.
@@ -140,6 +143,14 @@ pub struct ReplayReport {
     pub ratio: f64,
     /// Free bytes stranded in handles holding live bytes, when reserved last reached its peak.
     pub stranded_bytes_at_peak: u64,
+    /// The allocator's detailed statistics when reserved last reached its peak (where the
+    /// excess over live bytes sits: rounding, stranded, free handles, pending); left out
+    /// with `skip_stranded`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peak_detail: Option<crate::stats::DetailedStats>,
+    /// The whole layout at the same moment, with [`ReplayOptions::peak_layout`].
+    #[serde(skip)]
+    pub peak_layout: Option<crate::Layout>,
     /// Requested bytes still live at the end.
     pub final_live_bytes: u64,
     /// Driver calls by kind (totals since the allocator was created).
@@ -354,6 +365,7 @@ pub fn replay<D: Driver>(
     let mut peak_live = 0u64;
     let mut peak_reserved = 0u64;
     let mut stranded = 0u64;
+    let mut peak_detail = None;
     let mut last_stitches = alloc.stats().stitches;
     let mut probe_time = 0.0f64;
     let limit = opts.stop_after.unwrap_or(usize::MAX);
@@ -453,7 +465,12 @@ pub fn replay<D: Driver>(
             if reserved > peak_reserved {
                 peak_reserved = reserved;
                 if !opts.skip_stranded {
-                    stranded = alloc.detailed_stats().stranded_bytes;
+                    let d = alloc.detailed_stats();
+                    stranded = d.stranded_bytes;
+                    peak_detail = Some(d);
+                }
+                if opts.peak_layout {
+                    r.peak_layout = Some(alloc.snapshot());
                 }
             }
         }
@@ -482,6 +499,7 @@ pub fn replay<D: Driver>(
         0.0
     };
     r.stranded_bytes_at_peak = stranded;
+    r.peak_detail = peak_detail;
     r.final_live_bytes = s.requested.current;
     r.driver_calls = s.calls;
     match &opts.meter {

@@ -283,3 +283,44 @@ fn random_faults_host_regression_1() {
         .with_handle_sizes(0, 8 * MIB);
     fault_case(dev, cfg, &ops, kinds, 0.1, &totals).unwrap();
 }
+
+#[test]
+fn a_failed_contiguous_growth_leaves_the_run_as_it_was() {
+    let shape = |h: &Harness<FaultyDriver<SimDriver>>| {
+        let l = h.alloc.snapshot();
+        // Blocks and runs; a fresh handle of a failed build stays owned, unmapped.
+        serde_json::to_string(&l.runs).unwrap()
+    };
+    for op in [DriverOp::Create, DriverOp::Map, DriverOp::SetAccess] {
+        let dev = FaultyDriver::new(SimDriver::with_capacity(256 * MIB));
+        let mut h = Harness::new(dev, Config::default().with_contiguous(true)).unwrap();
+        // 7 MiB in an 8 MiB span: a 1 MiB free tail that the next request grows.
+        h.apply(Op::Alloc {
+            size: 7 * MIB,
+            stream: 0,
+        })
+        .unwrap();
+        let before = shape(&h);
+        h.dev.fail_nth(op, 1);
+        h.apply(Op::Alloc {
+            size: 9 * MIB,
+            stream: 0,
+        })
+        .unwrap();
+        assert_eq!(h.dev.injected(), 1, "{op:?} was called");
+        if h.live_count() == 1 {
+            // The allocation failed: everything is as it was.
+            assert_eq!(shape(&h), before, "{op:?}: rolled back");
+            h.dev.set_enabled(false);
+            h.apply(Op::Alloc {
+                size: 9 * MIB,
+                stream: 0,
+            })
+            .unwrap();
+        }
+        // Served: at once by a later step of the plan, or once the driver recovers.
+        assert_eq!(h.live_count(), 2, "{op:?}");
+        assert!(h.alloc.stats().reserved.current <= 18 * MIB, "{op:?}");
+        h.finish().unwrap();
+    }
+}

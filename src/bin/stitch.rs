@@ -147,6 +147,10 @@ struct AllocArgs {
     /// (Config::recreate off).
     #[arg(long)]
     no_recreate: bool,
+    /// Contiguous growth: map each new large span after the end of a run and link it in,
+    /// so free tails coalesce with new memory (Config::contiguous on).
+    #[arg(long)]
+    contiguous: bool,
     #[arg(long, help = config_help(
         "Growth slack: create new memory while reserved stays within (1 + slack) x peak live, \
          reuse (stitch) free handles past it",
@@ -181,6 +185,7 @@ impl AllocArgs {
             c.split_min = v;
         }
         c.recreate = !self.no_recreate;
+        c.contiguous = self.contiguous;
         if let Some(v) = self.reserve_slack {
             c.reserve_slack = v;
         }
@@ -936,6 +941,7 @@ fn demo_run(t: &Trace, stitching: bool, backend: Backend) -> Result<ReplayReport
         handle_divisor: None,
         split_min: None,
         no_recreate: false,
+        contiguous: false,
         reserve_slack: None,
         reserve_slack_min: None,
         paranoid: false,

@@ -52,7 +52,7 @@ pub const CONF_ENV: &str = "STITCH_ALLOC_CONF";
 /// The keys `STITCH_ALLOC_CONF` accepts: the C ABI's own (backend, capacity, log, devices,
 /// out-of-memory policy), then the fields of [`Config`](crate::Config) but `capacity`
 /// (checked against both structs by a test).
-pub const CONF_KEYS: [&str; 23] = [
+pub const CONF_KEYS: [&str; 24] = [
     "backend",
     "capacity_fraction",
     "capacity_bytes",
@@ -69,6 +69,7 @@ pub const CONF_KEYS: [&str; 23] = [
     "handle_divisor",
     "split_min",
     "recreate",
+    "contiguous",
     "prealloc",
     "stitching",
     "reserve_slack",

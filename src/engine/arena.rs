@@ -150,6 +150,7 @@ impl Arena {
     }
 
     /// Take free block `i` off the list of its owner and pool.
+    #[cfg(test)]
     pub(crate) fn unlist(&mut self, i: u32) {
         let b = &self.blocks[i as usize];
         let (o, p) = (b.state.owner().index(), b.pool as usize);
@@ -278,7 +279,7 @@ impl Arena {
     /// A dirty block also absorbs clean neighbours: memory any stream may use can always be
     /// restricted to one stream until its next fence, and the freeing stream then finds one
     /// contiguous free range instead of pieces split by ownership.
-    pub(crate) fn coalesce_insert(&mut self, mut i: u32) {
+    pub(crate) fn coalesce_insert(&mut self, mut i: u32) -> u32 {
         let State::Free { owner, mut seq } = self.blocks[i as usize].state else {
             unreachable!("coalesce of a block that is not free")
         };
@@ -303,6 +304,7 @@ impl Arena {
         }
         self.blocks[i as usize].state = State::Free { owner, seq };
         self.bins[owner.index()][pool].insert(&mut self.blocks, i);
+        i
     }
 
     /// If block `j` is free and may merge into a free block of `owner` (same owner, or clean
@@ -432,14 +434,29 @@ impl Arena {
         i
     }
 
-    /// Grow clean free block `b`, which ends its run, by `bytes` mapped right after it; it
-    /// takes `state` and merges with its neighbours.
-    pub(crate) fn extend_run(&mut self, b: u32, bytes: u64, state: State) {
-        debug_assert_eq!(self.blocks[b as usize].next, NIL);
-        self.unlist(b);
-        self.blocks[b as usize].size += bytes;
-        self.blocks[b as usize].state = state;
-        self.coalesce_insert(b);
+    /// Map `bytes` of new memory right after block `b`, which ends its run, as a free block
+    /// of `state` linked after it: it merges with `b` when `b` is free and may join it (same
+    /// owner, or clean `b` into a dirty state), so a free tail and the new memory become one
+    /// block. Returns the free block that holds the new memory.
+    pub(crate) fn append_run(&mut self, b: u32, bytes: u64, state: State) -> u32 {
+        let (addr, size, pool) = {
+            let x = &self.blocks[b as usize];
+            debug_assert_eq!(x.next, NIL);
+            debug_assert!(x.state != State::Vacant);
+            (x.addr, x.size, x.pool)
+        };
+        let j = self.new_block(Block {
+            addr: addr + size,
+            size: bytes,
+            prev: b,
+            next: NIL,
+            fprev: NIL,
+            fnext: NIL,
+            pool,
+            state,
+        });
+        self.blocks[b as usize].next = j;
+        self.coalesce_insert(j)
     }
 
     /// Bytes of the dirty free blocks plus the pending blocks among `pending` (teardown's

@@ -56,7 +56,8 @@ pub(crate) struct BuildPlan {
     /// (a stitch by re-creation, `Config::recreate`); 0 otherwise.
     pub(crate) recreated: u64,
     pub(crate) pool: Pool,
-    /// Map right after this clean free block, which ends its run, and grow it.
+    /// Map right after this block, which ends its run and is not carved by this plan, and
+    /// link the new memory into its run (a free tail and the new memory become one block).
     pub(crate) extend: Option<u32>,
     /// Report `Short` instead when the creation exceeds the headroom when the build starts.
     pub(crate) short_without_room: bool,
@@ -259,7 +260,8 @@ impl StitchPolicy {
                     .then(|| build(Vec::new(), create, Some(b)))
             });
             steps.push(in_place.unwrap_or_else(|| {
-                build(Vec::new(), need.max(cfg.min_handle.min(headroom)), None)
+                let create = need.max(cfg.min_handle.min(headroom));
+                build(Vec::new(), create, append_target(ctx, create, &[]))
             }));
         }
         // Best: grow a free block that ends its run, in place, by the missing part only.
@@ -301,8 +303,10 @@ impl StitchPolicy {
             if release.len() >= 2 {
                 let kept: u64 = keep.iter().map(|c| c.size).sum();
                 let released = release.len() as u64;
+                let create = need.saturating_sub(kept).max(create);
+                let after = append_target(ctx, kept + create, &chosen);
                 steps.push(Step::Release(release));
-                let mut b = build(keep, need.saturating_sub(kept).max(create), None);
+                let mut b = build(keep, create, after);
                 if let Step::Build(p) = &mut b {
                     p.recreated = released;
                 }
@@ -310,7 +314,8 @@ impl StitchPolicy {
                 return steps;
             }
         }
-        steps.push(build(chosen, create, None));
+        let after = append_target(ctx, taken + create, &chosen);
+        steps.push(build(chosen, create, after));
         steps
     }
 
@@ -451,6 +456,45 @@ fn shortfall(need: u64, taken: u64, floor: u64) -> u64 {
     }
 }
 
+/// Where contiguous growth (`Config::contiguous`) maps a new large span of `total` bytes:
+/// right after the block that ends a large-pool run, with `total` bytes of free address
+/// space after it, and is not one the plan carves (`chosen`'s blocks). The largest clean
+/// free tail first (it coalesces with the new memory at once), else the run that ends
+/// highest (the memory grows at one end, as an expandable segment does, so free blocks on
+/// either side of each join merge later). `None` when off or nothing qualifies: the span
+/// gets fresh address space of its own.
+pub(crate) fn append_target(
+    ctx: &PlanContext<'_>,
+    total: u64,
+    chosen: &[Candidate],
+) -> Option<u32> {
+    if !ctx.cfg.contiguous || total == 0 {
+        return None;
+    }
+    let g = ctx.cfg.granularity;
+    let mut tail: Option<(u64, u32)> = None;
+    let mut top: Option<(u64, u32)> = None;
+    for (i, b) in ctx.arena.blocks.iter().enumerate() {
+        let i = i as u32;
+        if b.next != NIL || b.pool != Pool::Large || b.state == State::Vacant {
+            continue;
+        }
+        let end = b.addr + b.size;
+        if end % g != 0 || chosen.iter().any(|c| c.block == i) || !ctx.va.is_free(end, total) {
+            continue;
+        }
+        if matches!(b.state, State::Free { owner, .. } if owner.is_clean())
+            && tail.is_none_or(|(s, _)| b.size > s)
+        {
+            tail = Some((b.size, i));
+        }
+        if top.is_none_or(|(e, _)| end > e) {
+            top = Some((end, i));
+        }
+    }
+    tail.or(top).map(|(_, i)| i)
+}
+
 /// The largest clean free block of the large pool that ends its run with enough free
 /// address space after it to grow to `rsize` bytes; returns it and the bytes to add.
 pub(crate) fn extension_target(ctx: &PlanContext<'_>, rsize: u64) -> Option<(u32, u64)> {
@@ -461,11 +505,14 @@ pub(crate) fn extension_target(ctx: &PlanContext<'_>, rsize: u64) -> Option<(u32
     let mut best: Option<(u32, u64)> = None;
     for i in list {
         let b = &blocks[i as usize];
-        // Only worth it when the block is a large part of the request; a small leftover
-        // would make the new allocation share a handle with its neighbour, stranding it
-        // when either is freed (any tail: zoo geomean 0.003 lower, but the checkerboard's
-        // largest tensor fell from 99.8% to 99.5% of free memory).
-        if b.next != NIL || b.size >= rsize || b.size < rsize / 2 {
+        // Runs placed apart: only worth it when the block is a large part of the request;
+        // a small leftover would make the new allocation share a handle with its
+        // neighbour, stranding it when either is freed (any tail: zoo geomean 0.003 lower,
+        // the checkerboard's largest tensor 99.8% -> 99.5% of free memory). With
+        // contiguous growth a tail of any size grows (design/zoo.md: the tails left
+        // beside new spans were the largest part of the excess).
+        let small = b.size < rsize / 2 && !ctx.cfg.contiguous;
+        if b.next != NIL || b.size >= rsize || small {
             continue;
         }
         let ext = round_up(rsize - b.size, g);

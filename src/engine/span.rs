@@ -152,8 +152,8 @@ impl Engine {
 
     /// Build one new mapped run in `pool` from the `chosen` free handles plus `create` new
     /// bytes (in handles of at most `handle_size`); or, with `extend = Some(b)`, map them
-    /// right after clean free block `b` (which ends its run and has free address space after
-    /// it) and grow `b`.
+    /// right after block `b` (which ends its run and has free address space after it) and
+    /// link them into its run, merging with `b` if it is a free tail.
     fn build<D: Driver + ?Sized>(
         &mut self,
         d: &D,
@@ -194,6 +194,12 @@ impl Engine {
         // 3. Map them side by side in fresh address space (or right after the block being
         //    extended), then grant access once.
         let total: u64 = g.order.iter().map(|&h| self.handles.size(h)).sum();
+        // The plan named a block that ends its run; it still must (a plan is applied on the
+        // state it was made from, but a block the plan reused is never followed).
+        let extend = extend.filter(|&b| {
+            let x = &self.arena.blocks[b as usize];
+            x.state != State::Vacant && x.next == NIL && x.pool == pool
+        });
         let placed = match extend {
             Some(b) => {
                 let x = &self.arena.blocks[b as usize];
@@ -269,10 +275,13 @@ impl Engine {
         };
         match extend {
             Some(b) => {
-                // `b` is still a clean free block ending its run (carving only ever removes
-                // handles that lie wholly inside other blocks, or splits off pieces below).
-                self.arena.extend_run(b, total, state);
-                self.stats.extensions += 1;
+                // `b` still ends its run (carving only ever removes handles that lie wholly
+                // inside other blocks, or splits off pieces below): the new memory is linked
+                // after it, merging with it if it is a free tail.
+                if matches!(self.arena.blocks[b as usize].state, State::Free { .. }) {
+                    self.stats.extensions += 1;
+                }
+                self.arena.append_run(b, total, state);
             }
             None => {
                 self.arena.new_run(base, total, pool, state);

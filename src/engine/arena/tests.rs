@@ -183,11 +183,45 @@ fn find_prefers_the_own_stream_on_a_tie_and_the_smaller_block() {
 }
 
 #[test]
-fn extend_run_grows_the_last_block() {
+fn append_run_grows_a_free_tail_into_one_block() {
     let (mut a, b) = arena(4);
-    a.extend_run(b, 4 * U, clean());
+    let j = a.append_run(b, 4 * U, clean());
+    assert_eq!(j, b, "the tail absorbs the new memory");
     assert_eq!(run(&a, b), vec![(0, 8, clean())]);
     assert_eq!(a.bins[0][Pool::Large as usize].bytes, 8 * U);
+    a.validate().unwrap();
+}
+
+#[test]
+fn append_run_links_new_memory_after_a_live_block_and_merges_when_it_is_freed() {
+    let (mut a, b) = arena(4);
+    a.take(b, 4 * U, 4 * U, S, |_, _| 0);
+    let j = a.append_run(b, 4 * U, clean());
+    assert_ne!(j, b);
+    assert_eq!(run(&a, b), vec![(0, 4, live(4 * U)), (4, 4, clean())]);
+    a.validate().unwrap();
+    // Freed, the old block and the appended memory are one free block across the join.
+    free(&mut a, b, OwnerId::CLEAN, 0);
+    assert_eq!(run(&a, b), vec![(0, 8, clean())]);
+    a.validate().unwrap();
+}
+
+#[test]
+fn append_run_of_dirty_memory_absorbs_a_clean_tail_but_clean_memory_keeps_a_dirty_one() {
+    let dirty = State::Free {
+        owner: DIRTY,
+        seq: 3,
+    };
+    let (mut a, b) = arena(4);
+    a.append_run(b, 2 * U, dirty);
+    assert_eq!(run(&a, b), vec![(0, 6, dirty)]);
+    a.validate().unwrap();
+    let (mut a, b) = arena(4);
+    a.unlist(b);
+    a.blocks[b as usize].state = dirty;
+    a.list(b);
+    a.append_run(b, 2 * U, clean());
+    assert_eq!(run(&a, b), vec![(0, 4, dirty), (4, 2, clean())]);
     a.validate().unwrap();
 }
 

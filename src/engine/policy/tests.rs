@@ -84,7 +84,10 @@ fn layout_json(e: &Engine) -> String {
 
 #[test]
 fn over_budget_a_large_request_grows_a_free_block_in_place_with_another_free_handle() {
-    let mut cfg = Config::default().with_reserve_slack(0.0, 0);
+    // Runs placed apart (contiguous growth would have linked the four spans into one run).
+    let mut cfg = Config::default()
+        .with_reserve_slack(0.0, 0)
+        .with_contiguous(false);
     cfg.handle_divisor = 1; // one handle per allocation
     let (d, mut e) = engine(cfg);
     let s = Stream::DEFAULT;
@@ -111,7 +114,9 @@ fn over_budget_a_large_request_grows_a_free_block_in_place_with_another_free_han
 
 #[test]
 fn within_budget_a_large_request_creates_first_and_stitches_if_the_driver_refuses() {
-    let mut cfg = Config::default().with_reserve_slack(0.01, 64 * M);
+    let mut cfg = Config::default()
+        .with_reserve_slack(0.01, 64 * M)
+        .with_contiguous(false);
     cfg.handle_divisor = 1;
     let (d, mut e) = engine(cfg);
     let s = Stream::DEFAULT;
@@ -269,5 +274,98 @@ fn a_build_after_a_release_of_the_same_block_finds_its_candidate() {
     assert_eq!(e.apply(&d, plan).unwrap(), Grow::Done);
     e.validate().unwrap();
     assert_eq!(e.stats.handles, 3, "one kept, two created, three released");
+    e.teardown(&d);
+}
+
+/// Large-pool runs of the layout, as (blocks, bytes).
+fn large_runs(e: &Engine) -> Vec<(usize, u64)> {
+    e.layout()
+        .runs
+        .iter()
+        .filter(|r| r[0].pool == Pool::Large)
+        .map(|r| (r.len(), r.iter().map(|b| b.size).sum()))
+        .collect()
+}
+
+#[test]
+fn contiguous_growth_links_each_new_span_after_the_highest_run() {
+    let mut cfg = Config::default().with_contiguous(true);
+    cfg.handle_divisor = 1;
+    let (d, mut e) = engine(cfg.clone());
+    let s = Stream::DEFAULT;
+    let p: Vec<u64> = (0..3).map(|_| e.alloc(&d, 8 * M, s).unwrap()).collect();
+    assert_eq!(large_runs(&e), vec![(3, 24 * M)], "one run of three blocks");
+    assert_eq!((p[1], p[2]), (p[0] + 8 * M, p[0] + 16 * M));
+    // Freed, the pieces merge across both joins into one block.
+    for &q in &p {
+        e.free(&d, q, s).unwrap();
+    }
+    assert_eq!(large_runs(&e), vec![(1, 24 * M)]);
+    e.validate().unwrap();
+    e.teardown(&d);
+    // Off: three runs apart, which never merge.
+    let (d, mut e) = engine(cfg.with_contiguous(false));
+    for _ in 0..3 {
+        e.alloc(&d, 8 * M, s).unwrap();
+    }
+    assert_eq!(large_runs(&e).len(), 3);
+    e.teardown(&d);
+}
+
+#[test]
+fn a_free_tail_of_any_size_grows_with_the_new_memory() {
+    let (d, mut e) = engine(Config::default().with_contiguous(true));
+    let s = Stream::DEFAULT;
+    // 7 MiB in an 8 MiB span leaves a 1 MiB free tail, a ninth of the next request.
+    let a = e.alloc(&d, 7 * M, s).unwrap();
+    let before = layout_json(&e);
+    let got = plan(&e, Pool::Large, 9 * M);
+    assert_eq!(layout_json(&e), before, "planning changes nothing");
+    let Some(Step::Build(b)) = got.steps.first() else {
+        panic!("a build expected: {got:?}")
+    };
+    assert_eq!(b.create, Create::Exact(8 * M), "the 8 MiB the tail misses");
+    assert!(b.extend.is_some(), "grown after the tail: {got:?}");
+    let q = e.alloc(&d, 9 * M, s).unwrap();
+    assert_eq!(q, a + 7 * M, "the new allocation starts in the tail");
+    assert_eq!(
+        e.stats.reserved.current,
+        16 * M,
+        "16 MiB live in 16 MiB, no tail stranded"
+    );
+    assert_eq!(e.stats.extensions, 1);
+    e.validate().unwrap();
+    e.teardown(&d);
+    // Off: the tail is under half the request and stays; a new 8 MiB span is created.
+    let (d, mut e) = engine(Config::default().with_contiguous(false));
+    e.alloc(&d, 7 * M, s).unwrap();
+    e.alloc(&d, 9 * M, s).unwrap();
+    assert_eq!(e.stats.reserved.current, 18 * M);
+    e.teardown(&d);
+}
+
+#[test]
+fn a_stitched_span_is_linked_after_the_largest_clean_free_tail() {
+    let mut cfg = Config::default().with_contiguous(true);
+    cfg.handle_divisor = 1;
+    cfg.recreate = false;
+    let (d, mut e) = engine(cfg);
+    let s = Stream::DEFAULT;
+    let p: Vec<u64> = (0..4).map(|_| e.alloc(&d, 8 * M, s).unwrap()).collect();
+    let t = e.alloc(&d, 3 * M, s).unwrap(); // a 4 MiB span: 1 MiB free tail at the top
+    e.free(&d, p[1], s).unwrap();
+    e.free(&d, p[3], s).unwrap();
+    e.poll(&d, true).unwrap();
+    // 12 MiB: the two free 8 MiB handles are moved; with no room in the free blocks,
+    // the span goes after the run's free tail (the highest run end).
+    let got = plan(&e, Pool::Large, 12 * M);
+    let Some(Step::Build(b)) = got.steps.last() else {
+        panic!("a build expected: {got:?}")
+    };
+    let tail = b.extend.expect("linked after a run end");
+    assert_eq!(e.arena.blocks[tail as usize].addr, t + 3 * M);
+    let q = e.alloc(&d, 12 * M, s).unwrap();
+    assert_eq!(q, t + 3 * M, "the allocation starts in the free tail");
+    e.validate().unwrap();
     e.teardown(&d);
 }

@@ -1,0 +1,72 @@
+//! Where the excess of peak reserved over peak live sits at the peak: replay a trace (with a
+//! simulated GPU lag) and classify every free byte of the large pool that lies in a handle
+//! holding live bytes, by where its free block sits in its run.
+//! `cargo run --release --example breakdown -- TRACE [GPU_LAG]`
+use stitch_alloc::driver::SimDriver;
+use stitch_alloc::replay::{replay, ReplayOptions};
+use stitch_alloc::trace::{read_path, ReadOptions};
+use stitch_alloc::{Allocator, Config, Pool};
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let path = args.next().expect("TRACE");
+    let lag: usize = args.next().map_or(1000, |v| v.parse().unwrap());
+    let t = read_path(&path, ReadOptions::default()).expect("trace");
+    let a = Allocator::new(SimDriver::new(), Config::default()).unwrap();
+    let opts = ReplayOptions {
+        gpu_lag: lag,
+        peak_layout: true,
+        ..Default::default()
+    };
+    let r = replay(&t, &a, &opts);
+    let l = r.peak_layout.expect("a peak");
+    let g = l.detailed.granularity;
+    let live_handle = |lo: u64, hi: u64| -> u64 {
+        // Bytes of [lo, hi) inside handles that hold live bytes.
+        l.handles
+            .iter()
+            .filter(|h| h.holds_live)
+            .filter_map(|h| h.addr.map(|a| (a, a + h.size)))
+            .map(|(a, e)| e.min(hi).saturating_sub(a.max(lo)))
+            .sum()
+    };
+    // [tail < granule, tail >= granule, head, hole], bytes and counts.
+    let mut cat = [(0u64, 0u64); 4];
+    let mut runs_with_tail = 0;
+    for run in &l.runs {
+        if run.first().is_none_or(|b| b.pool != Pool::Large) {
+            continue;
+        }
+        let n = run.len();
+        for (k, b) in run.iter().enumerate() {
+            if b.state == "live" || b.state == "pending" {
+                continue;
+            }
+            let s = live_handle(b.addr, b.addr + b.size);
+            if s == 0 {
+                continue;
+            }
+            let c = if k + 1 == n {
+                runs_with_tail += 1;
+                usize::from(s >= g)
+            } else if k == 0 {
+                2
+            } else {
+                3
+            };
+            cat[c].0 += s;
+            cat[c].1 += 1;
+        }
+    }
+    let m = |x: u64| x as f64 / (1u64 << 20) as f64;
+    let d = &l.detailed;
+    println!(
+        "{path}: ratio {:.4}, excess {:.0} MiB; large runs {}; stranded tails <granule {:.0} MiB ({}), >=granule {:.0} MiB ({}), heads {:.0} MiB ({}), holes {:.0} MiB ({}); small pages {:.0} MiB; rounding {:.1} MiB; free handles {:.0} MiB",
+        r.ratio,
+        m(r.peak_reserved_bytes - r.peak_live_bytes),
+        l.runs.iter().filter(|r| r[0].pool == Pool::Large).count(),
+        m(cat[0].0), cat[0].1, m(cat[1].0), cat[1].1, m(cat[2].0), cat[2].1, m(cat[3].0), cat[3].1,
+        m(d.small_stranded_bytes), m(d.rounding_waste), m(d.free_handle_bytes),
+    );
+    let _ = runs_with_tail;
+}
