@@ -446,7 +446,9 @@ fn load(t: &TraceArgs) -> Result<Loaded, String> {
     // segments too, without holding the file in memory; the format is detected as
     // `trace::read_bytes` does.
     let mut file = open()?;
-    let head = file.fill_buf().map_err(|e| format!("cannot read {name}: {e}"))?;
+    let head = file
+        .fill_buf()
+        .map_err(|e| format!("cannot read {name}: {e}"))?;
     let gz = trace::is_gzip(head);
     let first_plain = head.first().copied();
     let mut gunzip = BufReader::with_capacity(1 << 20, flate2::read::MultiGzDecoder::new(open()?));

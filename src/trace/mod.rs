@@ -233,7 +233,10 @@ pub fn read_bytes(bytes: &[u8], opts: ReadOptions) -> Result<Trace, TraceError> 
         Format::PyTorch => {
             // Decoded as it is decompressed: the plain pickle is never held in memory.
             if gz {
-                pytorch::parse_snapshot_reader(flate2::read::MultiGzDecoder::new(bytes), opts.device)
+                pytorch::parse_snapshot_reader(
+                    flate2::read::MultiGzDecoder::new(bytes),
+                    opts.device,
+                )
             } else {
                 pytorch::parse_snapshot(bytes, opts.device)
             }

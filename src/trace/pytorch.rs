@@ -65,9 +65,9 @@ pub fn read_snapshot(
     device: Option<usize>,
 ) -> Result<(Trace, Option<RecordedReserved>), TraceError> {
     let value = pickle::decode(r).map_err(|e| match e {
-        DecodeError::Io(e) => {
-            TraceError::Snapshot(format!("cannot read the snapshot (gzip stream is truncated or corrupt?): {e}"))
-        }
+        DecodeError::Io(e) => TraceError::Snapshot(format!(
+            "cannot read the snapshot (gzip stream is truncated or corrupt?): {e}"
+        )),
         DecodeError::Bad(m) => TraceError::Snapshot(format!("cannot unpickle: {m}")),
     })?;
     let top = value.as_dict().ok_or_else(|| {
@@ -109,7 +109,11 @@ fn recorded_reserved(top: &Dict, dev: usize, entries: &List) -> Option<RecordedR
     let segments = top.get(Atom::Segments)?.as_list()?;
     let mut final_bytes = 0u64;
     for seg in segments.iter() {
-        let on_dev = seg.get(Atom::Device).ok()?.and_then(S::as_u64).map(|x| x as usize);
+        let on_dev = seg
+            .get(Atom::Device)
+            .ok()?
+            .and_then(S::as_u64)
+            .map(|x| x as usize);
         if on_dev != Some(dev) {
             continue;
         }
@@ -124,7 +128,9 @@ fn recorded_reserved(top: &Dict, dev: usize, entries: &List) -> Option<RecordedR
         .and_then(|s| s.get(Atom::ExpandableSegments))
         .is_some_and(|v| matches!(v, V::Bool(true)));
     for e in entries.iter() {
-        let Ok(action) = e.get(Atom::Action) else { continue };
+        let Ok(action) = e.get(Atom::Action) else {
+            continue;
+        };
         let action = match action {
             Some(S::Str(a)) => a,
             _ => None,
@@ -261,7 +267,9 @@ fn convert(entries: &List, dev: usize) -> Result<Trace, TraceError> {
     // addr -> (id, size) of live allocations
     let mut live: FxHashMap<u64, (u64, u64)> = FxHashMap::default();
     for (index, item) in entries.iter().enumerate() {
-        let Some(e) = entry(item, dev, index)? else { continue };
+        let Some(e) = entry(item, dev, index)? else {
+            continue;
+        };
         let err = |message: String| TraceError::SnapshotEvent {
             device: dev,
             index,
