@@ -297,6 +297,64 @@ fn real_pytorch_snapshot() {
     }
 }
 
+/// Hands out at most `chunk` bytes per read, so the streaming decoder refills its buffer
+/// in the middle of opcodes and arguments.
+struct Trickle<'a> {
+    rest: &'a [u8],
+    chunk: usize,
+}
+
+impl std::io::Read for Trickle<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = buf.len().min(self.chunk).min(self.rest.len());
+        buf[..n].copy_from_slice(&self.rest[..n]);
+        self.rest = &self.rest[n..];
+        Ok(n)
+    }
+}
+
+#[test]
+fn snapshots_read_in_small_pieces_decode_the_same() {
+    use stitch_alloc::trace::pytorch::{parse_snapshot_recorded, read_snapshot};
+    let gunzip = |name: &str| {
+        let mut v = Vec::new();
+        let f = std::fs::File::open(data(name)).unwrap();
+        std::io::Read::read_to_end(&mut flate2::read::MultiGzDecoder::new(f), &mut v).unwrap();
+        v
+    };
+    // A snapshot with stack traces, and one of the zoo's (stacks off, 142 k entries).
+    for bytes in [
+        std::fs::read(data("torch-small.pickle")).unwrap(),
+        gunzip("zoo/bert-encode.pickle.gz"),
+    ] {
+        let whole = parse_snapshot_recorded(&bytes, None).unwrap();
+        assert!(whole.1.is_some());
+        for chunk in [1, 7, 4093] {
+            if chunk == 1 && bytes.len() > 100_000 {
+                continue;
+            }
+            let rest = &bytes[..];
+            let got = read_snapshot(Trickle { rest, chunk }, None).unwrap();
+            assert_eq!(got, whole, "chunk {chunk}");
+        }
+        // Cut anywhere: an error naming the truncation, never a panic or a trace.
+        for cut in [1, bytes.len() / 3, bytes.len() - 1] {
+            let e = parse_snapshot_recorded(&bytes[..cut], None).unwrap_err();
+            assert!(
+                matches!(&e, TraceError::Snapshot(m) if m.contains("truncated pickle")),
+                "{cut}: {e}"
+            );
+        }
+    }
+    // A cut gzip stream is a read error that says so.
+    let gz = std::fs::read(data("torch-small.pickle.gz")).unwrap();
+    let e = trace::read_bytes(&gz[..gz.len() / 2], ReadOptions::default()).unwrap_err();
+    assert!(
+        matches!(&e, TraceError::Snapshot(m) if m.contains("gzip") || m.contains("truncated")),
+        "{e}"
+    );
+}
+
 fn d(pairs: &[(&str, Value)]) -> Value {
     Value::Dict(
         pairs

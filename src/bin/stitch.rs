@@ -439,40 +439,39 @@ struct Loaded {
 }
 
 fn load(t: &TraceArgs) -> Result<Loaded, String> {
+    use std::io::{BufRead, BufReader};
     let name = t.file.display();
-    let bytes = std::fs::read(&t.file).map_err(|e| format!("cannot read {name}: {e}"))?;
+    let open = || {
+        std::fs::File::open(&t.file)
+            .map(|f| BufReader::with_capacity(1 << 20, f))
+            .map_err(|e| format!("cannot read {name}: {e}"))
+    };
     let bad = |e: trace::TraceError| cut(format!("{name}: {e}"));
-    // A snapshot (a pickle, gzipped or not) is read here, to get PyTorch's segments too;
-    // the format is detected as `trace::read_bytes` does.
-    let gz = trace::is_gzip(&bytes);
-    let gunzip = || flate2::read::MultiGzDecoder::new(&bytes[..]);
+    // A snapshot (a pickle, gzipped or not) is decoded here as it is read, to get PyTorch's
+    // segments too, without holding the file in memory; the format is detected as
+    // `trace::read_bytes` does.
+    let mut file = open()?;
+    let head = file
+        .fill_buf()
+        .map_err(|e| format!("cannot read {name}: {e}"))?;
+    let gz = trace::is_gzip(head);
+    let first_plain = head.first().copied();
+    let mut gunzip = BufReader::with_capacity(1 << 20, flate2::read::MultiGzDecoder::new(open()?));
     let pickle = match t.format {
         FormatArg::Pytorch => true,
         FormatArg::Text => false,
-        FormatArg::Auto if gz => {
-            use std::io::Read;
-            let mut b = [0u8; 1];
-            matches!(gunzip().read(&mut b), Ok(1)) && b[0] == 0x80
-        }
-        FormatArg::Auto => bytes.first() == Some(&0x80),
+        FormatArg::Auto if gz => matches!(gunzip.fill_buf(), Ok(b) if b.first() == Some(&0x80)),
+        FormatArg::Auto => first_plain == Some(0x80),
     };
     let (trace, pytorch) = if pickle {
-        let plain;
-        let data = if gz {
-            use std::io::Read;
-            let mut v = Vec::new();
-            gunzip().read_to_end(&mut v).map_err(|e| {
-                bad(trace::TraceError::Snapshot(format!(
-                    "gzip stream is truncated or corrupt: {e}"
-                )))
-            })?;
-            plain = v;
-            &plain[..]
+        if gz {
+            pytorch::read_snapshot(gunzip, t.device).map_err(bad)?
         } else {
-            &bytes[..]
-        };
-        pytorch::parse_snapshot_recorded(data, t.device).map_err(bad)?
+            pytorch::read_snapshot(file, t.device).map_err(bad)?
+        }
     } else {
+        drop((file, gunzip));
+        let bytes = std::fs::read(&t.file).map_err(|e| format!("cannot read {name}: {e}"))?;
         let format = match t.format {
             FormatArg::Text => Format::Text,
             _ => Format::Auto,

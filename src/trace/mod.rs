@@ -17,7 +17,7 @@
 #![forbid(unsafe_code)]
 
 pub mod gen;
-mod pickle_guard;
+mod pickle;
 pub mod pytorch;
 mod text;
 
@@ -231,20 +231,15 @@ pub fn read_bytes(bytes: &[u8], opts: ReadOptions) -> Result<Trace, TraceError> 
     };
     match format {
         Format::PyTorch => {
-            let plain;
-            let data = if gz {
-                let mut v = Vec::new();
-                flate2::read::MultiGzDecoder::new(bytes)
-                    .read_to_end(&mut v)
-                    .map_err(|e| {
-                        TraceError::Snapshot(format!("gzip stream is truncated or corrupt: {e}"))
-                    })?;
-                plain = v;
-                &plain[..]
+            // Decoded as it is decompressed: the plain pickle is never held in memory.
+            if gz {
+                pytorch::parse_snapshot_reader(
+                    flate2::read::MultiGzDecoder::new(bytes),
+                    opts.device,
+                )
             } else {
-                bytes
-            };
-            pytorch::parse_snapshot(data, opts.device)
+                pytorch::parse_snapshot(bytes, opts.device)
+            }
         }
         _ => {
             if gz {

@@ -27,59 +27,15 @@
 //! (+size) and `segment_free` / `segment_unmap` (-size) entries back from it gives the state
 //! when recording began, then forward the peak.
 
+use super::pickle::{self, Atom, DecodeError, Dict, Item, List, S, V};
 use super::{Event, Trace, TraceError, MAX_BYTES};
 use rustc_hash::FxHashMap;
-use serde_pickle::{DeOptions, HashableValue, Value};
-use std::collections::BTreeMap;
-
-fn key_str(k: &HashableValue) -> Option<&str> {
-    match k {
-        HashableValue::String(s) => Some(s),
-        HashableValue::Bytes(b) => std::str::from_utf8(b).ok(),
-        _ => None,
-    }
-}
-
-fn get<'a>(d: &'a BTreeMap<HashableValue, Value>, name: &str) -> Option<&'a Value> {
-    // Fast path: string key.
-    if let Some(v) = d.get(&HashableValue::String(name.to_string())) {
-        return Some(v);
-    }
-    d.iter()
-        .find(|(k, _)| key_str(k) == Some(name))
-        .map(|(_, v)| v)
-}
-
-fn as_str(v: &Value) -> Option<&str> {
-    match v {
-        Value::String(s) => Some(s),
-        Value::Bytes(b) => std::str::from_utf8(b).ok(),
-        _ => None,
-    }
-}
-
-/// An integer field as `u64`; negative values and non-integers are `None`. Streams may be
-/// pointers above `i64::MAX` in theory, so big integers are accepted when they fit.
-fn as_u64(v: &Value) -> Option<u64> {
-    match v {
-        Value::I64(i) => u64::try_from(*i).ok(),
-        Value::Int(b) => b.to_string().parse().ok(),
-        Value::Bool(b) => Some(u64::from(*b)),
-        _ => None,
-    }
-}
-
-fn as_list(v: &Value) -> Option<&[Value]> {
-    match v {
-        Value::List(l) | Value::Tuple(l) => Some(l),
-        _ => None,
-    }
-}
+use std::io::Read;
 
 /// Read a snapshot pickle (already decompressed) and convert device `device`'s trace (the
 /// first non-empty one when `None`).
 pub fn parse_snapshot(bytes: &[u8], device: Option<usize>) -> Result<Trace, TraceError> {
-    from_value(&unpickle(bytes)?, device)
+    parse_snapshot_recorded(bytes, device).map(|(t, _)| t)
 }
 
 /// Like [`parse_snapshot`], plus PyTorch's own reserved bytes over the recording, when the
@@ -97,22 +53,38 @@ pub fn parse_snapshot_recorded(
     bytes: &[u8],
     device: Option<usize>,
 ) -> Result<(Trace, Option<RecordedReserved>), TraceError> {
-    let value = unpickle(bytes)?;
-    let trace = from_value(&value, device)?;
-    Ok((trace, recorded_reserved(&value, device)?))
+    read_snapshot(bytes, device)
 }
 
-fn unpickle(bytes: &[u8]) -> Result<Value, TraceError> {
-    // A decoder copies an object at every reference to it: refuse reference bombs first.
-    super::pickle_guard::check_expansion(bytes)
-        .map_err(|e| TraceError::Snapshot(format!("cannot unpickle: {e}")))?;
-    serde_pickle::value_from_slice(
-        bytes,
-        DeOptions::new()
-            .replace_unresolved_globals()
-            .replace_recursive_structures(),
-    )
-    .map_err(|e| TraceError::Snapshot(format!("cannot unpickle: {e}")))
+/// Like [`parse_snapshot_recorded`], decoding the pickle as it is read from `r` (a file, a
+/// gzip decoder): the snapshot is never held in memory, only the entries replay needs (32
+/// bytes each). A read error (a truncated or corrupt gzip stream) is a
+/// [`TraceError::Snapshot`] that says so.
+pub fn read_snapshot(
+    r: impl Read,
+    device: Option<usize>,
+) -> Result<(Trace, Option<RecordedReserved>), TraceError> {
+    let value = pickle::decode(r).map_err(|e| match e {
+        DecodeError::Io(e) => TraceError::Snapshot(format!(
+            "cannot read the snapshot (gzip stream is truncated or corrupt?): {e}"
+        )),
+        DecodeError::Bad(m) => TraceError::Snapshot(format!("cannot unpickle: {m}")),
+    })?;
+    let top = value.as_dict().ok_or_else(|| {
+        TraceError::Snapshot(
+            "the pickle is not a dict (expected the output of torch.cuda.memory._dump_snapshot())"
+                .into(),
+        )
+    })?;
+    let (dev, entries) = device_entries(top, device)?;
+    let trace = convert(entries, dev)?;
+    Ok((trace, recorded_reserved(top, dev, entries)))
+}
+
+/// Like [`parse_snapshot`], decoding the pickle as it is read from `r` (see
+/// [`read_snapshot`]).
+pub fn parse_snapshot_reader(r: impl Read, device: Option<usize>) -> Result<Trace, TraceError> {
+    read_snapshot(r, device).map(|(t, _)| t)
 }
 
 /// The bytes PyTorch's caching allocator itself held reserved (its segments) on the device
@@ -130,82 +102,74 @@ pub struct RecordedReserved {
     pub expandable_segments: bool,
 }
 
-/// PyTorch's reserved bytes over device `device`'s trace (the same device [`from_value`]
-/// picks). `None` when the snapshot has no `segments` list, or when its segment events do
-/// not add up (more freed than the dump and the events account for).
-pub fn recorded_reserved(
-    value: &Value,
-    device: Option<usize>,
-) -> Result<Option<RecordedReserved>, TraceError> {
-    let Value::Dict(top) = value else {
-        return Ok(None);
-    };
-    let (dev, entries) = device_entries(top, device)?;
-    let Some(segments) = get(top, "segments").and_then(as_list) else {
-        return Ok(None);
-    };
+/// PyTorch's reserved bytes over device `dev`'s trace `entries`. `None` when the snapshot
+/// has no `segments` list, or when its segment events do not add up (more freed than the
+/// dump and the events account for).
+fn recorded_reserved(top: &Dict, dev: usize, entries: &List) -> Option<RecordedReserved> {
+    let segments = top.get(Atom::Segments)?.as_list()?;
     let mut final_bytes = 0u64;
-    for seg in segments {
-        let Value::Dict(d) = seg else { return Ok(None) };
-        let on_dev = get(d, "device").and_then(as_u64).map(|x| x as usize);
+    for seg in segments.iter() {
+        let on_dev = seg
+            .get(Atom::Device)
+            .ok()?
+            .and_then(S::as_u64)
+            .map(|x| x as usize);
         if on_dev != Some(dev) {
             continue;
         }
-        let Some(size) = get(d, "total_size").and_then(as_u64) else {
-            return Ok(None);
-        };
+        let size = seg.get(Atom::TotalSize).ok()?.and_then(S::as_u64)?;
         final_bytes = final_bytes.saturating_add(size);
     }
     // Net change of each entry: +size for segment_alloc/map, -size for segment_free/unmap.
     let mut deltas = Vec::new();
-    let mut expandable = get(top, "allocator_settings")
-        .and_then(|v| match v {
-            Value::Dict(s) => get(s, "expandable_segments"),
+    let mut expandable = top
+        .get(Atom::AllocatorSettings)
+        .and_then(V::as_dict)
+        .and_then(|s| s.get(Atom::ExpandableSegments))
+        .is_some_and(|v| matches!(v, V::Bool(true)));
+    for e in entries.iter() {
+        let Ok(action) = e.get(Atom::Action) else {
+            continue;
+        };
+        let action = match action {
+            Some(S::Str(a)) => a,
             _ => None,
-        })
-        .is_some_and(|v| matches!(v, Value::Bool(true)));
-    for e in entries {
-        let Value::Dict(d) = e else { continue };
-        let action = get(d, "action").and_then(as_str);
-        expandable |= action == Some("segment_map");
+        };
+        expandable |= action == Some(Atom::SegmentMap);
         let sign = match action {
-            Some("segment_alloc" | "segment_map") => 1i128,
-            Some("segment_free" | "segment_unmap") => -1i128,
+            Some(Atom::SegmentAlloc | Atom::SegmentMap) => 1i128,
+            Some(Atom::SegmentFree | Atom::SegmentUnmap) => -1i128,
             _ => continue,
         };
-        let Some(size) = get(d, "size").and_then(as_u64) else {
-            return Ok(None);
-        };
+        let size = e.get(Atom::Size).ok()?.and_then(S::as_u64)?;
         deltas.push(sign * i128::from(size));
     }
     let net: i128 = deltas.iter().sum();
     let initial = i128::from(final_bytes) - net;
     if initial < 0 {
-        return Ok(None);
+        return None;
     }
     let (mut cur, mut peak) = (initial, initial);
     for d in deltas {
         cur += d;
         if cur < 0 {
-            return Ok(None);
+            return None;
         }
         peak = peak.max(cur);
     }
     let to_u64 = |x: i128| u64::try_from(x).unwrap_or(u64::MAX);
-    Ok(Some(RecordedReserved {
+    Some(RecordedReserved {
         initial_bytes: to_u64(initial),
         peak_bytes: to_u64(peak),
         final_bytes,
         expandable_segments: expandable,
-    }))
+    })
 }
 
 /// The device whose trace to read (`device`, or the first non-empty one) and its entries.
-fn device_entries(
-    top: &BTreeMap<HashableValue, Value>,
-    device: Option<usize>,
-) -> Result<(usize, &[Value]), TraceError> {
-    let traces = get(top, "device_traces")
+fn device_entries(top: &Dict, device: Option<usize>) -> Result<(usize, &List), TraceError> {
+    let traces = top
+        .get(Atom::DeviceTraces)
         .ok_or_else(|| {
             TraceError::Snapshot(
                 "no `device_traces` key: was memory history recording on \
@@ -214,7 +178,8 @@ fn device_entries(
             )
         })
         .and_then(|v| {
-            as_list(v).ok_or_else(|| TraceError::Snapshot("`device_traces` is not a list".into()))
+            v.as_list()
+                .ok_or_else(|| TraceError::Snapshot("`device_traces` is not a list".into()))
         })?;
     let dev = match device {
         Some(d) if d < traces.len() => d,
@@ -226,61 +191,58 @@ fn device_entries(
         }
         None => traces
             .iter()
-            .position(|t| as_list(t).is_some_and(|l| !l.is_empty()))
+            .position(|t| t.as_list().is_some_and(|l| !l.is_empty()))
             .ok_or_else(|| TraceError::Snapshot("every device trace is empty".into()))?,
     };
-    let entries = as_list(&traces[dev])
+    let entries = traces
+        .item(dev)
+        .as_list()
         .ok_or_else(|| TraceError::Snapshot(format!("device_traces[{dev}] is not a list")))?;
     Ok((dev, entries))
 }
 
-/// Convert an already unpickled snapshot (see [`parse_snapshot`]).
-pub fn from_value(value: &Value, device: Option<usize>) -> Result<Trace, TraceError> {
-    let Value::Dict(top) = value else {
-        return Err(TraceError::Snapshot(
-            "the pickle is not a dict (expected the output of torch.cuda.memory._dump_snapshot())"
-                .into(),
-        ));
-    };
-    let (dev, entries) = device_entries(top, device)?;
-    convert(entries, dev)
-}
-
-struct Entry<'a> {
-    action: &'a str,
+#[derive(Copy, Clone)]
+struct Entry {
+    action: Atom,
     addr: u64,
     size: u64,
     stream: u64,
 }
 
-fn entry(v: &Value, dev: usize, index: usize) -> Result<Option<Entry<'_>>, TraceError> {
+fn entry(item: Item<'_>, dev: usize, index: usize) -> Result<Option<Entry>, TraceError> {
     let err = |message: String| TraceError::SnapshotEvent {
         device: dev,
         index,
         message,
     };
-    let Value::Dict(d) = v else {
-        return Err(err("entry is not a dict".into()));
+    let e = item
+        .entry()
+        .ok_or_else(|| err("entry is not a dict".into()))?;
+    let action = match e.get(Atom::Action) {
+        Some(S::Str(a)) => a,
+        _ => return Err(err("missing or non-string `action`".into())),
     };
-    let action = get(d, "action")
-        .and_then(as_str)
-        .ok_or_else(|| err("missing or non-string `action`".into()))?;
-    if !matches!(
-        action,
-        "alloc" | "free_requested" | "free_completed" | "free"
-    ) {
-        return Ok(None);
-    }
-    let field = |name: &str| -> Result<u64, TraceError> {
-        let v = get(d, name).ok_or_else(|| err(format!("`{action}` entry has no `{name}`")))?;
-        as_u64(v).ok_or_else(|| err(format!("`{name}` is not a non-negative integer: {v:?}")))
+    let action = match action {
+        Some(a @ (Atom::Alloc | Atom::FreeRequested | Atom::FreeCompleted | Atom::Free)) => a,
+        _ => return Ok(None),
     };
-    let addr = field("addr")?;
-    let size = field("size")?;
+    let name = action.name();
+    let field = |key: Atom| -> Result<u64, TraceError> {
+        let k = key.name();
+        let v = e
+            .get(key)
+            .ok_or_else(|| err(format!("`{name}` entry has no `{k}`")))?;
+        v.as_u64()
+            .ok_or_else(|| err(format!("`{k}` is not a non-negative integer: {v}")))
+    };
+    let addr = field(Atom::Addr)?;
+    let size = field(Atom::Size)?;
     // Stream 0 when absent (very old snapshots record none).
-    let stream = match get(d, "stream") {
-        None | Some(Value::None) => 0,
-        Some(s) => as_u64(s).ok_or_else(|| err(format!("`stream` is not an integer: {s:?}")))?,
+    let stream = match e.get(Atom::Stream) {
+        None | Some(S::None) => 0,
+        Some(s) => s
+            .as_u64()
+            .ok_or_else(|| err(format!("`stream` is not an integer: {s}")))?,
     };
     Ok(Some(Entry {
         action,
@@ -290,23 +252,24 @@ fn entry(v: &Value, dev: usize, index: usize) -> Result<Option<Entry<'_>>, Trace
     }))
 }
 
-fn convert(entries: &[Value], dev: usize) -> Result<Trace, TraceError> {
-    let parsed: Vec<Option<Entry<'_>>> = entries
-        .iter()
-        .enumerate()
-        .map(|(i, v)| entry(v, dev, i))
-        .collect::<Result<_, _>>()?;
-    let has_requested = parsed
-        .iter()
-        .flatten()
-        .any(|e| matches!(e.action, "free_requested" | "free"));
+fn convert(entries: &List, dev: usize) -> Result<Trace, TraceError> {
+    // First every entry is checked, in order (so the first bad entry is reported whatever
+    // the conversion below finds), and whether any free_requested was recorded.
+    let mut has_requested = false;
+    for (i, item) in entries.iter().enumerate() {
+        if let Some(e) = entry(item, dev, i)? {
+            has_requested |= matches!(e.action, Atom::FreeRequested | Atom::Free);
+        }
+    }
     let mut next_id = 0u64;
     let mut pre = Vec::new();
-    let mut body = Vec::with_capacity(parsed.len());
+    let mut body = Vec::with_capacity(entries.len());
     // addr -> (id, size) of live allocations
     let mut live: FxHashMap<u64, (u64, u64)> = FxHashMap::default();
-    for (index, e) in parsed.iter().enumerate() {
-        let Some(e) = e else { continue };
+    for (index, item) in entries.iter().enumerate() {
+        let Some(e) = entry(item, dev, index)? else {
+            continue;
+        };
         let err = |message: String| TraceError::SnapshotEvent {
             device: dev,
             index,
@@ -316,7 +279,7 @@ fn convert(entries: &[Value], dev: usize) -> Result<Trace, TraceError> {
             return Err(err(format!("absurd size {}", e.size)));
         }
         let is_free = match e.action {
-            "alloc" => {
+            Atom::Alloc => {
                 if e.size == 0 {
                     return Err(err("allocation of 0 bytes".into()));
                 }
@@ -336,8 +299,8 @@ fn convert(entries: &[Value], dev: usize) -> Result<Trace, TraceError> {
                 });
                 false
             }
-            "free_requested" | "free" => true,
-            "free_completed" if !has_requested => true,
+            Atom::FreeRequested | Atom::Free => true,
+            Atom::FreeCompleted if !has_requested => true,
             // free_completed when free_requested entries exist: the logical free is the
             // free_requested (already taken, or before the recording window).
             _ => false,
