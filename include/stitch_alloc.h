@@ -87,10 +87,12 @@
  *
  * Note for PyTorch users: torch 2.11's CUDAPluggableAllocator::allocate does not check the
  * pointer its allocator returns, so running out of memory does not raise
- * torch.cuda.OutOfMemoryError. torch.empty() succeeds with an unallocated storage and the
- * tensor's first use raises RuntimeError ("The tensor has a non-zero number of elements,
- * but its data is not allocated yet"); a raw allocation (caching_allocator_alloc, library
- * workspaces) just gets NULL. The reason is in the log and in stitch_last_error() of the
+ * torch.cuda.OutOfMemoryError. torch.empty() succeeds with an unallocated (null) storage;
+ * some ops then raise RuntimeError ("The tensor has a non-zero number of elements, but its
+ * data is not allocated yet"), but a kernel such as fill_ writes through the null pointer
+ * and the CUDA context dies (illegal address; measured on the H200, design/gpu-results.md
+ * run 19); a raw allocation (caching_allocator_alloc, library workspaces) just gets NULL.
+ * The Python package's C++ extension path avoids all of this. The reason is in the log and in stitch_last_error() of the
  * allocating thread. on_oom:abort stops the process with the diagnosis instead.
  */
 #ifndef STITCH_ALLOC_H
