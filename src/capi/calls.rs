@@ -39,7 +39,7 @@ pub(super) fn malloc(rt: &Runtime, size: usize, device: c_int, stream: Stream) -
                 ))
             }
         }
-        match a.alloc(size as u64, stream) {
+        match a.driver().meter().scoped(|| a.alloc(size as u64, stream)) {
             Ok(p) => Ok(p.addr()),
             Err(e) => Err((tracing::Level::WARN, describe_oom(rt, size, device, &e))),
         }

@@ -41,6 +41,96 @@ struct MeterState {
     /// Modeled microseconds in all, summed call by call (so that it does not depend on the
     /// order in which the kinds are added up).
     total_us: f64,
+    /// Measured driver time of each request [`Meter::scoped`] ran that called the driver.
+    requests: RequestTimes,
+}
+
+/// Buckets of [`RequestTimes`]: a quarter of a power of two each (values within 19%).
+const REQUEST_BUCKETS: usize = 4 * 64;
+
+/// A histogram of per-request driver time: log-spaced buckets, the exact maximum.
+#[derive(Debug, Clone)]
+struct RequestTimes {
+    /// `counts[b]`: requests whose nanoseconds fell in bucket `b` (see [`bucket`]).
+    counts: Vec<u64>,
+    count: u64,
+    max_ns: u64,
+}
+
+impl RequestTimes {
+    fn new() -> Self {
+        RequestTimes {
+            counts: vec![0; REQUEST_BUCKETS],
+            count: 0,
+            max_ns: 0,
+        }
+    }
+    fn add(&mut self, ns: u64) {
+        self.counts[bucket(ns)] += 1;
+        self.count += 1;
+        self.max_ns = self.max_ns.max(ns);
+    }
+    /// The upper bound of the bucket holding the `q`-quantile (capped at the maximum).
+    fn quantile_ns(&self, q: f64) -> u64 {
+        if self.count == 0 {
+            return 0;
+        }
+        let rank = ((q * self.count as f64).ceil() as u64).clamp(1, self.count);
+        let mut seen = 0;
+        for (b, &n) in self.counts.iter().enumerate() {
+            seen += n;
+            if seen >= rank {
+                return bucket_upper(b).min(self.max_ns);
+            }
+        }
+        self.max_ns
+    }
+}
+
+/// The bucket of `ns`: `floor(4 * log2(ns))`, 0 for 0 and 1.
+fn bucket(ns: u64) -> usize {
+    if ns < 2 {
+        return 0;
+    }
+    let lz = 63 - ns.leading_zeros() as u64; // floor(log2)
+                                             // The next two bits below the leading one pick the quarter (an approximation of the
+                                             // fractional part of the logarithm: buckets are evenly spaced in value within an octave).
+    let frac = if lz >= 2 {
+        (ns >> (lz - 2)) & 3
+    } else {
+        (ns << (2 - lz)) & 3
+    };
+    ((lz * 4 + frac) as usize).min(REQUEST_BUCKETS - 1)
+}
+
+/// The largest value of bucket `b`.
+fn bucket_upper(b: usize) -> u64 {
+    let (lz, frac) = ((b / 4) as u32, (b % 4) as u64);
+    if lz < 2 {
+        return (1u64 << lz) + 1;
+    }
+    let step = 1u128 << (lz - 2);
+    let end = (1u128 << lz) + (u128::from(frac) + 1) * step - 1;
+    u64::try_from(end).unwrap_or(u64::MAX)
+}
+
+/// Driver time of requests (allocations that called the driver), from [`Meter::request_times`].
+#[derive(Copy, Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct RequestTiming {
+    /// Requests that called the driver at least once.
+    pub count: u64,
+    /// Median of their driver time, microseconds (bucket resolution: within 19%).
+    pub p50_us: f64,
+    /// 99th percentile, microseconds (same resolution).
+    pub p99_us: f64,
+    /// The slowest one, microseconds (exact).
+    pub max_us: f64,
+}
+
+thread_local! {
+    /// (calls, nanoseconds) measured inside the driver on this thread, by every metering
+    /// wrapper.
+    static THREAD_NS: std::cell::Cell<(u64, u64)> = const { std::cell::Cell::new((0, 0)) };
 }
 
 /// What a [`Metering`] driver recorded: calls, measured time and modeled time, by kind.
@@ -66,7 +156,40 @@ impl Meter {
                 ns: [0; KINDS],
                 us: [0.0; KINDS],
                 total_us: 0.0,
+                requests: RequestTimes::new(),
             }),
+        }
+    }
+
+    /// Run one request (an allocation) and, if it called the driver on this thread,
+    /// record how long it spent there ([`Meter::request_times`]).
+    ///
+    /// ```
+    /// use stitch_alloc::driver::{Driver, SimDriver, Timed};
+    /// let d = Timed::new(SimDriver::with_capacity(1 << 30));
+    /// d.meter().scoped(|| d.reserve(1 << 21).unwrap());
+    /// d.meter().scoped(|| ()); // no driver call: not counted
+    /// assert_eq!(d.meter().request_times().count, 1);
+    /// ```
+    pub fn scoped<T>(&self, f: impl FnOnce() -> T) -> T {
+        let (calls0, ns0) = THREAD_NS.with(|c| c.get());
+        let r = f();
+        let (calls1, ns1) = THREAD_NS.with(|c| c.get());
+        if calls1 != calls0 {
+            self.state.lock().requests.add(ns1 - ns0);
+        }
+        r
+    }
+
+    /// The distribution of per-request driver time recorded by [`Meter::scoped`].
+    pub fn request_times(&self) -> RequestTiming {
+        let s = self.state.lock();
+        let r = &s.requests;
+        RequestTiming {
+            count: r.count,
+            p50_us: r.quantile_ns(0.5) as f64 / 1e3,
+            p99_us: r.quantile_ns(0.99) as f64 / 1e3,
+            max_us: r.max_ns as f64 / 1e3,
         }
     }
 
@@ -119,6 +242,7 @@ impl Meter {
         s.ns = [0; KINDS];
         s.us = [0.0; KINDS];
         s.total_us = 0.0;
+        s.requests = RequestTimes::new();
     }
 
     /// Count, time and price one call the inner driver returned from.
@@ -167,6 +291,10 @@ impl Meter {
             _ => c.price(op, 0),
         };
         s.ns[op as usize] += ns;
+        THREAD_NS.with(|c| {
+            let (n, t) = c.get();
+            c.set((n + 1, t + ns));
+        });
         if let Some(us) = us {
             s.us[op as usize] += us;
             s.total_us += us;
@@ -369,6 +497,70 @@ mod tests {
     use crate::{Allocator, Config, Stream};
 
     const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn request_buckets_are_ordered_and_bound_their_values() {
+        let mut prev = 0;
+        for ns in [
+            0u64,
+            1,
+            2,
+            3,
+            4,
+            5,
+            7,
+            8,
+            100,
+            1_000,
+            12_345,
+            1 << 40,
+            u64::MAX,
+        ] {
+            let b = bucket(ns);
+            assert!(b >= prev, "bucket of {ns} below the one of a smaller value");
+            assert!(ns <= bucket_upper(b), "{ns} above its bucket's bound");
+            if ns >= 4 {
+                assert!(
+                    bucket_upper(b) as f64 <= ns as f64 * 1.25 + 1.0,
+                    "{ns}: too coarse"
+                );
+            }
+            prev = b;
+        }
+        let mut r = RequestTimes::new();
+        for ns in 1..=1000u64 {
+            r.add(ns * 1000);
+        }
+        let (p50, p99) = (r.quantile_ns(0.5), r.quantile_ns(0.99));
+        assert!((500_000..=625_000).contains(&p50), "p50 {p50}");
+        assert!((990_000..=1_000_000).contains(&p99), "p99 {p99}");
+        assert_eq!(r.max_ns, 1_000_000);
+    }
+
+    #[test]
+    fn scoped_requests_count_only_this_threads_driver_calls() {
+        let d = Timed::new(SimDriver::with_capacity(1 << 30));
+        let a = Allocator::new(d, Config::default()).unwrap();
+        let m = a.driver().meter();
+        let p = m.scoped(|| a.alloc(64 * MIB, Stream::DEFAULT).unwrap());
+        let q = m.scoped(|| a.alloc(4096, Stream::DEFAULT).unwrap());
+        let fast = m.scoped(|| a.alloc(4096, Stream::DEFAULT).unwrap()); // same page: no call
+        let t = m.request_times();
+        assert_eq!(t.count, 2, "{t:?}");
+        assert!(
+            t.max_us > 0.0 && t.p50_us <= t.max_us && t.p99_us <= t.max_us,
+            "{t:?}"
+        );
+        // Another thread's driver calls during a request are not this request's.
+        std::thread::scope(|sc| {
+            sc.spawn(|| a.alloc(32 * MIB, Stream::DEFAULT).unwrap());
+        });
+        m.scoped(|| ());
+        assert_eq!(m.request_times().count, 2);
+        for x in [p, q, fast] {
+            a.free(x, Stream::DEFAULT).unwrap();
+        }
+    }
 
     #[test]
     fn counts_match_the_allocator_and_set_access_is_priced_per_mapping() {

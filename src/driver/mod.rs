@@ -39,7 +39,7 @@ pub use faulty::FaultyDriver;
 pub use forward::{Call, Done, Forward};
 pub use host::HostDriver;
 pub use ledger::LeakReport;
-pub use meter::{Meter, Metered, Metering, OpTiming, Timed, Timings};
+pub use meter::{Meter, Metered, Metering, OpTiming, RequestTiming, Timed, Timings};
 pub use sim::SimDriver;
 pub use streams::WorkId;
 
