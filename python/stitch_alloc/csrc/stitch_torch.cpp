@@ -832,6 +832,8 @@ class StitchAllocator final : public CCA::CUDAAllocator {
     if (!captures_.empty()) {
       return;
     }
+    out.insert(out.end(), deferred_.begin(), deferred_.end());
+    deferred_.clear();
     for (auto it = pools_.begin(); it != pools_.end();) {
       Pool& p = it->second;
       if (p.use_count > 0) {
@@ -862,9 +864,19 @@ class StitchAllocator final : public CCA::CUDAAllocator {
     for (auto& b : blocks) {
       devices.insert(b.second);
     }
+    // Called from graph destructors too: never throws. A device that cannot be synchronised
+    // keeps the blocks for a later releasePool or emptyCache.
     for (DeviceIndex d : devices) {
       c10::cuda::CUDAGuard guard(d);
-      C10_CUDA_CHECK(cudaDeviceSynchronize());
+      cudaError_t e = cudaDeviceSynchronize();
+      if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        TORCH_WARN("stitch-alloc: cannot synchronise device ", int(d), " to release graph pool "
+                   "memory (", cudaGetErrorString(e), "); it is released later");
+        std::lock_guard<std::mutex> g(mu_);
+        deferred_.insert(deferred_.end(), blocks.begin(), blocks.end());
+        return;
+      }
     }
     for (auto& b : blocks) {
       if (lib.free_graph(b.first, b.second) != 0) {
@@ -881,6 +893,7 @@ class StitchAllocator final : public CCA::CUDAAllocator {
   std::unordered_map<void*, Alloc> allocs_;
   std::unordered_map<MempoolId_t, Pool, MempoolHash> pools_;
   std::vector<Capture> captures_;
+  std::vector<std::pair<void*, DeviceIndex>> deferred_;  // released, not yet given back
   int64_t pool_reuses_[kMaxDevices] = {};
   int64_t pool_frees_[kMaxDevices] = {};
   std::vector<CCA::OutOfMemoryObserver> oom_observers_;
