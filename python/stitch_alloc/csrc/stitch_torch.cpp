@@ -38,6 +38,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <deque>
 #include <map>
 #include <memory>
@@ -350,6 +351,7 @@ class StitchAllocator final : public CCA::CUDAAllocator {
       }
     }
     TORCH_CHECK(false, "stitch-alloc: getBaseAllocation: ", ptr, " is not a live allocation");
+    return nullptr;  // not reached
   }
 
   void recordStream(const c10::DataPtr& ptr, c10::Stream stream) override {
@@ -509,12 +511,14 @@ class StitchAllocator final : public CCA::CUDAAllocator {
                 "cuMemMap, and exporting it would need the handles shared as POSIX file "
                 "descriptors (shareIpcHandle/getIpcDevPtr are not implemented). Share a CPU "
                 "tensor, or run the producer under the default allocator.");
+    return {};  // not reached
   }
 
   std::shared_ptr<void> getIpcDevPtr(std::string) override {
     TORCH_CHECK(false,
                 "stitch-alloc does not support opening CUDA IPC handles (getIpcDevPtr): "
                 "sharing CUDA tensors between processes is not implemented");
+    return nullptr;  // not reached
   }
 
   bool isHistoryEnabled() override {
@@ -770,6 +774,7 @@ class StitchAllocator final : public CCA::CUDAAllocator {
       << (why.empty() ? std::string("(no diagnosis from the library)") : why)
       << ". Device memory: " << free_b << " bytes free of " << total_b << ".";
     TORCH_CHECK_WITH(OutOfMemoryError, false, m.str());
+    std::abort();  // not reached: the check throws
   }
 
   // Caller holds mu_. A trace entry: to the trackers always, to the history when on.
