@@ -518,7 +518,7 @@ mod tests {
     use super::super::calls;
     use super::super::guard::{guard, last_error};
     use super::*;
-    use crate::driver::{Call, DriverResult, MemInfo};
+    use crate::driver::{Call, DriverOp, DriverResult, MemInfo};
     use crate::Stream;
     use serde_json::Value;
     use std::sync::atomic::AtomicU64;
@@ -844,6 +844,32 @@ mod tests {
         free(rt, q, 0, Stream::DEFAULT);
         let r = malloc(rt, 8 * MIB, 0, cap);
         assert!(r != 0 && r != p, "the held block is never handed out again");
+    }
+
+    /// Issue #12: graph-pool memory is handed out on a capturing stream (stitch_malloc
+    /// refuses it), records no event, and comes back clean.
+    #[test]
+    fn graph_pool_allocation_is_allowed_while_capturing() {
+        let (rt, k) = test_rt("backend:cuda", 0);
+        let cap = Stream::sim(9);
+        k.capturing.store(cap.raw(), Ordering::Relaxed);
+        assert_eq!(malloc(rt, MIB, 0, cap), 0, "the ordinary path refuses");
+        let before = alloc(rt, 0).unwrap().stats().calls;
+        let p = guard("stitch_malloc_graph", 0, || {
+            calls::malloc_graph(rt, 8 << 20, 0, cap)
+        });
+        assert_ne!(p, 0, "{}", last_error());
+        let after = alloc(rt, 0).unwrap().stats().calls;
+        for op in [DriverOp::RecordEvent, DriverOp::QueryEvent, DriverOp::WaitEvent] {
+            assert_eq!(after.get(op), before.get(op), "{op:?}");
+        }
+        assert_eq!(calls::free_graph(rt, p, 0), 0);
+        assert_eq!(calls::free_graph(rt, p, 0), -1);
+        assert!(last_error().contains("double free"), "{}", last_error());
+        let v = doc(rt, 0);
+        assert_eq!(v["torch"]["allocated_bytes.all.current"], 0);
+        assert_eq!(v["graph_held_bytes"], 0);
+        k.capturing.store(0, Ordering::Relaxed);
     }
 
     /// Issue #13, item 9: a panic inside the allocator disables its device; every later
