@@ -8,11 +8,14 @@
  * Build:  cargo build --release --features capi  ->  target/release/libstitch_alloc.so
  * Link:   cc -I include app.c -L target/release -lstitch_alloc -Wl,-rpath,target/release
  *
- * PyTorch (torch 2.11) loads stitch_malloc / stitch_free through
- * torch.cuda.memory.CUDAPluggableAllocator and the optional hooks through the setters of
- * allocator.allocator(): set_init_fn(stitch_init), set_reset_fn(stitch_reset),
- * set_memory_fraction_fn(stitch_memory_fraction), set_record_stream_fn(stitch_record_stream).
- * The Python package in python/ (stitch_alloc.enable()) does all of that.
+ * PyTorch (torch 2.11): the Python package in python/ (stitch_alloc.enable()) builds a C++
+ * extension (python/stitch_alloc/csrc/stitch_torch.cpp) that implements torch's whole
+ * CUDAAllocator interface over the functions below (statistics through stitch_device_stats,
+ * graph pools through stitch_malloc_graph / stitch_free_graph). Its fallback loads
+ * stitch_malloc / stitch_free through torch.cuda.memory.CUDAPluggableAllocator and the
+ * optional hooks through the setters of allocator.allocator(): set_init_fn(stitch_init),
+ * set_reset_fn(stitch_reset), set_memory_fraction_fn(stitch_memory_fraction),
+ * set_record_stream_fn(stitch_record_stream).
  *
  * Configuration: the environment variable STITCH_ALLOC_CONF, read once at the first call
  * of any function below. A comma-separated key:value list, like PYTORCH_CUDA_ALLOC_CONF:
@@ -86,7 +89,8 @@
  * until the process ends (the graph may use it on replay), counted as "graph_held_bytes"
  * in the statistics.
  *
- * Note for PyTorch users: torch 2.11's CUDAPluggableAllocator::allocate does not check the
+ * Note for PyTorch users of the fallback (the extension raises torch.cuda.OutOfMemoryError
+ * with the stitch_last_error diagnosis): torch 2.11's CUDAPluggableAllocator::allocate does not check the
  * pointer its allocator returns, so running out of memory does not raise
  * torch.cuda.OutOfMemoryError. torch.empty() succeeds with an unallocated storage and the
  * tensor's first use raises RuntimeError ("The tensor has a non-zero number of elements,

@@ -860,7 +860,11 @@ mod tests {
         });
         assert_ne!(p, 0, "{}", last_error());
         let after = alloc(rt, 0).unwrap().stats().calls;
-        for op in [DriverOp::RecordEvent, DriverOp::QueryEvent, DriverOp::WaitEvent] {
+        for op in [
+            DriverOp::RecordEvent,
+            DriverOp::QueryEvent,
+            DriverOp::WaitEvent,
+        ] {
             assert_eq!(after.get(op), before.get(op), "{op:?}");
         }
         assert_eq!(calls::free_graph(rt, p, 0), 0);
