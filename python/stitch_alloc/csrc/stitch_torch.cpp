@@ -296,7 +296,10 @@ class StitchAllocator final : public CCA::CUDAAllocator {
     return p.release_context();
   }
 
-  void raw_delete(void* ptr) override { free_ptr(ptr); }
+  void raw_delete(void* ptr) override {
+    TORCH_CHECK(free_ptr(ptr), "stitch-alloc: raw_delete of ", ptr,
+                ", which is not a live allocation");
+  }
 
   void init(int device_count) override {
     lib.init(device_count);
@@ -628,9 +631,11 @@ class StitchAllocator final : public CCA::CUDAAllocator {
 
   // --- the work ------------------------------------------------------------------------
 
-  void free_ptr(void* ptr) {
+  // Free a live allocation; false if `ptr` is not one (nothing is freed). Never throws: it
+  // runs in DataPtr deleters.
+  bool free_ptr(void* ptr) noexcept {
     if (ptr == nullptr) {
-      return;
+      return true;
     }
     Alloc a;
     bool found = false;
@@ -653,7 +658,7 @@ class StitchAllocator final : public CCA::CUDAAllocator {
                 cache_block(p->second, ptr, b->second);
                 record(CDA::TraceEntry::FREE_COMPLETED, a.device, ptr, a.size, a.stream, a.pool,
                        nullptr);
-                return;
+                return true;
               }
               // The pool was released while this block was live: it leaves the pool now
               // and is freed below on its stream (the graphs that used it are gone).
@@ -664,10 +669,13 @@ class StitchAllocator final : public CCA::CUDAAllocator {
         }
       }
     }
-    TORCH_CHECK(found, "stitch-alloc: free of ", ptr, ", which is not a live allocation");
+    if (!found) {
+      return false;
+    }
     lib.free(ptr, a.size, a.device, a.stream);
     std::lock_guard<std::mutex> g(mu_);
     record(CDA::TraceEntry::FREE_COMPLETED, a.device, ptr, a.size, a.stream, a.pool, nullptr);
+    return true;
   }
 
  private:
@@ -793,7 +801,11 @@ class StitchAllocator final : public CCA::CUDAAllocator {
                       reinterpret_cast<void*>(stream), pool, c10::getApproximateTime(),
                       std::move(ctx));
     for (auto& t : trace_trackers_) {
-      t(e);
+      try {
+        t(e);
+      } catch (const std::exception& ex) {
+        TORCH_WARN_ONCE("stitch-alloc: an allocator trace tracker raised: ", ex.what());
+      }
     }
     if (record_history_ && skip_.count(static_cast<int>(action)) == 0) {
       trace_.push_back(std::move(e));
@@ -911,11 +923,13 @@ class StitchAllocator final : public CCA::CUDAAllocator {
   std::deque<CDA::TraceEntry> trace_;
 };
 
-std::shared_ptr<StitchAllocator> instance;
+// The installed allocator. Never destroyed (like the library's own state): tensors freed
+// during the interpreter's exit still reach it.
+StitchAllocator* instance = nullptr;
 
 void deleter(void* ptr) {
-  if (instance != nullptr) {
-    instance->free_ptr(ptr);
+  if (instance != nullptr && !instance->free_ptr(ptr)) {
+    TORCH_WARN("stitch-alloc: free of ", ptr, ", which is not a live allocation (ignored)");
   }
 }
 
@@ -924,13 +938,18 @@ void deleter(void* ptr) {
 void install(const std::string& path) {
   TORCH_CHECK(instance == nullptr, "stitch-alloc: the extension is installed already");
   lib.open(path);
-  auto a = std::make_shared<StitchAllocator>();
-  torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(a);
-  instance = a;
+  auto* keep = new std::shared_ptr<StitchAllocator>(std::make_shared<StitchAllocator>());
+  try {
+    torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(*keep);
+  } catch (...) {
+    delete keep;
+    throw;
+  }
+  instance = keep->get();  // `keep` is never freed
 }
 
 bool installed() {
-  return instance != nullptr && CCA::get() == instance.get();
+  return instance != nullptr && CCA::get() == instance;
 }
 
 }  // namespace
