@@ -80,6 +80,9 @@ pub(crate) struct Engine {
     /// lowered below it ([`Engine::set_capacity`]; nothing is created until reserved is
     /// under the capacity again).
     reserved_ceiling: u64,
+    /// Whether `set_capacity` was called (then an allocation is also checked against the
+    /// live bytes).
+    capacity_changed: bool,
 }
 
 impl Engine {
@@ -95,6 +98,7 @@ impl Engine {
             stats: Stats::default(),
             shut_down: false,
             reserved_ceiling: 0,
+            capacity_changed: false,
         };
         let chunk = e.cfg.va_chunk;
         e.reserve_va(d, chunk)?;
@@ -172,9 +176,9 @@ impl Engine {
             });
         }
         let rsize = round_up(size, UNIT);
-        if self.stats.allocated.current + rsize > self.cfg.capacity {
-            // Only after the capacity was lowered below what is held (`set_capacity`):
-            // otherwise no free block could fit anyway.
+        if self.capacity_changed && self.stats.allocated.current + rsize > self.cfg.capacity {
+            // After `set_capacity` lowered the capacity below what is held, a free block
+            // could fit; otherwise none can, and the slow path reports as it always has.
             return Err(self.over_capacity(size, rsize));
         }
         let pool = if size <= self.cfg.small_threshold {
@@ -313,9 +317,9 @@ impl Engine {
             });
         }
         let rsize = round_up(size, UNIT);
-        if self.stats.allocated.current + rsize > self.cfg.capacity {
-            // Only after the capacity was lowered below what is held (`set_capacity`):
-            // otherwise no free block could fit anyway.
+        if self.capacity_changed && self.stats.allocated.current + rsize > self.cfg.capacity {
+            // After `set_capacity` lowered the capacity below what is held, a free block
+            // could fit; otherwise none can, and the slow path reports as it always has.
             return Err(self.over_capacity(size, rsize));
         }
         let pool = if size <= self.cfg.small_threshold {
@@ -414,6 +418,7 @@ impl Engine {
         }
         self.reserved_ceiling = self.stats.reserved.current.max(cap);
         self.cfg.capacity = cap;
+        self.capacity_changed = true;
         Ok(cap)
     }
 
