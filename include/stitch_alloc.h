@@ -208,7 +208,7 @@ struct stitch_device_stats {
     uint64_t segments_freed;           /* handles released, accumulated */
     uint64_t inactive_split_bytes_current; /* free bytes sharing a handle with live ones */
     uint64_t pending_free_bytes;       /* freed with uses on several streams, not yet usable */
-    uint64_t largest_free_span;        /* the largest free mapped span (cacheInfo) */
+    uint64_t largest_free_span;        /* the largest free mapped span */
     uint64_t free_bytes;               /* free mapped bytes */
     uint64_t num_ooms;                 /* accumulated */
     uint64_t num_alloc_retries;        /* slow paths that waited for frees, accumulated */

@@ -223,7 +223,7 @@ pub struct DeviceStats {
     pub inactive_split_bytes_current: u64,
     /// Bytes freed with uses on several streams, waiting for their events.
     pub pending_free_bytes: u64,
-    /// The largest free mapped span (torch's `cacheInfo`).
+    /// The largest free mapped span.
     pub largest_free_span: u64,
     /// Free mapped bytes.
     pub free_bytes: u64,

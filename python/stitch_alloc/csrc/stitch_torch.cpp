@@ -324,13 +324,32 @@ class StitchAllocator final : public CCA::CUDAAllocator {
   void enable(bool value) override { enabled_.store(value); }
   bool isEnabled() const override { return enabled_.load(); }
 
+  // The largest allocation that would succeed without waiting (cuDNN's benchmark mode sizes
+  // its workspaces by it). torch's own allocator answers with the larger of the device's free
+  // memory and its largest cached block; here a request may be stitched from every free
+  // handle, so: free mapped bytes not stranded beside live ones, plus what may still be
+  // created (under the capacity and the device's free memory), or the largest free span if
+  // larger.
   void cacheInfo(DeviceIndex device, size_t* largestBlock) override {
     struct stitch_device_stats s{};
-    if (lib.device_stats(device, &s, sizeof s) >= 0) {
-      *largestBlock = static_cast<size_t>(s.largest_free_span);
-    } else {
+    if (lib.device_stats(device, &s, sizeof s) < 0) {
       *largestBlock = 0;
+      return;
     }
+    size_t free_b = 0, total_b = 0;
+    {
+      c10::cuda::CUDAGuard guard(device);
+      if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) {
+        (void)cudaGetLastError();
+        free_b = 0;
+      }
+    }
+    uint64_t headroom = s.capacity > s.reserved_current ? s.capacity - s.reserved_current : 0;
+    headroom = std::min<uint64_t>(headroom, free_b);
+    uint64_t stitchable = s.free_bytes > s.inactive_split_bytes_current
+                              ? s.free_bytes - s.inactive_split_bytes_current
+                              : 0;
+    *largestBlock = static_cast<size_t>(std::max<uint64_t>(s.largest_free_span, stitchable + headroom));
   }
 
   void* getBaseAllocation(void* ptr, size_t* size) override {
