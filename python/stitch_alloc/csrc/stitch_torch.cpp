@@ -40,6 +40,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <deque>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -440,7 +441,16 @@ class StitchAllocator final : public CCA::CUDAAllocator {
         info.device_traces[d].push_back(e);
       }
     }
-    info.config_metadata.last_allocator_settings = "stitch-alloc";
+    // torch's settings do not apply (its fields have no defaults: all set here).
+    auto& c = info.config_metadata;
+    c.garbage_collection_threshold = 0.0;
+    c.max_split_size = std::numeric_limits<size_t>::max();
+    c.pinned_num_register_threads = 0;
+    c.expandable_segments = false;
+    c.release_lock_on_malloc = false;
+    c.pinned_use_host_register = false;
+    c.graph_capture_record_stream_reuse = false;
+    c.last_allocator_settings = "stitch-alloc";
     return info;
   }
 
