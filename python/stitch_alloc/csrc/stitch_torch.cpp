@@ -588,13 +588,15 @@ class StitchAllocator final : public CCA::CUDAAllocator {
     trace_trackers_.push_back(std::move(tracker));
   }
 
-  // Every mapping is made accessible to the configured peers (peers:all by default) when it
-  // is created: nothing to enable here.
+  // Every mapping is made accessible to the configured peers (peers:all by default, every
+  // device that can access it) when it is created: nothing to enable here.
   void enablePeerAccess(DeviceIndex, DeviceIndex) override {}
 
   cudaError_t memcpyAsync(void* dst, int dstDevice, const void* src, int srcDevice,
                           size_t count, cudaStream_t stream, bool p2p_enabled) override {
-    if (p2p_enabled || dstDevice == srcDevice) {
+    // Between devices always the peer copy: it works whether or not the mappings were made
+    // accessible to the other device (peers:none), staging through the host if need be.
+    if (dstDevice == srcDevice) {
       return cudaMemcpyAsync(dst, src, count, cudaMemcpyDeviceToDevice, stream);
     }
     return cudaMemcpyPeerAsync(dst, dstDevice, src, srcDevice, count, stream);
