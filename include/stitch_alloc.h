@@ -8,11 +8,14 @@
  * Build:  cargo build --release --features capi  ->  target/release/libstitch_alloc.so
  * Link:   cc -I include app.c -L target/release -lstitch_alloc -Wl,-rpath,target/release
  *
- * PyTorch (torch 2.11) loads stitch_malloc / stitch_free through
- * torch.cuda.memory.CUDAPluggableAllocator and the optional hooks through the setters of
- * allocator.allocator(): set_init_fn(stitch_init), set_reset_fn(stitch_reset),
- * set_memory_fraction_fn(stitch_memory_fraction), set_record_stream_fn(stitch_record_stream).
- * The Python package in python/ (stitch_alloc.enable()) does all of that.
+ * PyTorch (torch 2.11): the Python package in python/ (stitch_alloc.enable()) builds a C++
+ * extension (python/stitch_alloc/csrc/stitch_torch.cpp) that implements torch's whole
+ * CUDAAllocator interface over the functions below (statistics through stitch_device_stats,
+ * graph pools through stitch_malloc_graph / stitch_free_graph). Its fallback loads
+ * stitch_malloc / stitch_free through torch.cuda.memory.CUDAPluggableAllocator and the
+ * optional hooks through the setters of allocator.allocator(): set_init_fn(stitch_init),
+ * set_reset_fn(stitch_reset), set_memory_fraction_fn(stitch_memory_fraction),
+ * set_record_stream_fn(stitch_record_stream).
  *
  * Configuration: the environment variable STITCH_ALLOC_CONF, read once at the first call
  * of any function below. A comma-separated key:value list, like PYTORCH_CUDA_ALLOC_CONF:
@@ -80,12 +83,15 @@
  * Internal errors: a Rust panic caught inside a device's allocator disables that device
  * (its state may be half-updated): every later call on it fails, naming the first panic.
  *
- * CUDA graphs: not supported yet (no private graph pools). stitch_malloc on a stream that
- * is capturing returns NULL ("CUDA graph capture is not supported by stitch-alloc yet");
- * stitch_free on one keeps the block out of the pool until the process ends (the graph
- * may use it on replay), counted as "graph_held_bytes" in the statistics.
+ * CUDA graphs: private pools are kept by the caller (the torch extension in python/) over
+ * stitch_malloc_graph / stitch_free_graph, which are allowed on a capturing stream.
+ * stitch_malloc on a stream that is capturing returns NULL ("CUDA graph capture is not
+ * supported by stitch-alloc yet"); stitch_free on one keeps the block out of the pool
+ * until the process ends (the graph may use it on replay), counted as "graph_held_bytes"
+ * in the statistics.
  *
- * Note for PyTorch users: torch 2.11's CUDAPluggableAllocator::allocate does not check the
+ * Note for PyTorch users of the fallback (the extension raises torch.cuda.OutOfMemoryError
+ * with the stitch_last_error diagnosis): torch 2.11's CUDAPluggableAllocator::allocate does not check the
  * pointer its allocator returns, so running out of memory does not raise
  * torch.cuda.OutOfMemoryError. torch.empty() succeeds with an unallocated (null) storage;
  * some ops then raise RuntimeError ("The tensor has a non-zero number of elements, but its
@@ -99,6 +105,7 @@
 #define STITCH_ALLOC_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -136,9 +143,8 @@ void stitch_reset(void);
 
 /*
  * Torch's memory-fraction hook (torch.cuda.set_per_process_memory_fraction): limit `device`
- * to `fraction` (0 < fraction <= 1) of its memory. Takes effect only before the device's
- * first allocation; a later call changes nothing and is reported as an error (logged at
- * log:error; the Python package raises RuntimeError).
+ * to `fraction` (0 < fraction <= 1) of its memory, at any time (stitch_set_memory_fraction,
+ * which also returns whether it worked).
  */
 void stitch_memory_fraction(double fraction, int device);
 
@@ -176,6 +182,8 @@ int stitch_empty_cache(int device);
  * graph capture, held),
  * "driver_time_us" (measured wall time inside driver calls, microseconds) and
  * "driver_time_us_by_call" (the same by call kind: "create", "map", "set_access", ...),
+ * "driver_time_us_per_alloc" ({count, p50_us, p99_us, max_us}: the driver time of each
+ *   stitch_malloc that called the driver; percentiles within 19%, the maximum exact),
  * "torch": PyTorch memory_stats() names: "allocated_bytes.all.current"/".peak",
  *   "requested_bytes.all.*", "reserved_bytes.all.*", "active_bytes.all.current",
  *   "allocation.all.{current,peak,allocated,freed}", "segment.all.{current,allocated,freed}",
@@ -187,6 +195,91 @@ int stitch_empty_cache(int device);
  *   stranded_bytes, live_handle_bytes, rounding_waste, va_reserved, ...
  */
 const char* stitch_stats_json(int device);
+
+/*
+ * Typed statistics of one device (torch's DeviceStats meanings), filled by
+ * stitch_device_stats. Versioned by size: fields are only ever appended. Every field is
+ * 0 before the device's first allocation (initialized too). "Accumulated" counters are
+ * zeroed by stitch_reset_accumulated_stats, peaks restart from the current value at
+ * stitch_reset_peak_stats.
+ */
+struct stitch_device_stats {
+    uint64_t initialized;              /* 1 once the device's allocator exists */
+    uint64_t capacity;                 /* bytes; changed by stitch_set_memory_fraction */
+    uint64_t allocated_current;        /* bytes of live blocks (rounded): allocated_bytes */
+    uint64_t allocated_peak;
+    uint64_t requested_current;        /* bytes asked for by live blocks: requested_bytes */
+    uint64_t requested_peak;
+    uint64_t reserved_current;         /* physical bytes held in handles: reserved_bytes */
+    uint64_t reserved_peak;
+    uint64_t active_current;           /* live + freed, waiting for other streams */
+    uint64_t allocations_current;      /* live allocations: allocation */
+    uint64_t allocations_peak;
+    uint64_t allocations_allocated;    /* accumulated */
+    uint64_t allocations_freed;        /* accumulated */
+    uint64_t segments_current;         /* physical handles: segment */
+    uint64_t segments_allocated;       /* handles created, accumulated */
+    uint64_t segments_freed;           /* handles released, accumulated */
+    uint64_t inactive_split_bytes_current; /* free bytes sharing a handle with live ones */
+    uint64_t pending_free_bytes;       /* freed with uses on several streams, not yet usable */
+    uint64_t largest_free_span;        /* the largest free mapped span */
+    uint64_t free_bytes;               /* free mapped bytes */
+    uint64_t num_ooms;                 /* accumulated */
+    uint64_t num_alloc_retries;        /* slow paths that waited for frees, accumulated */
+    uint64_t num_device_alloc;         /* cuMemMap calls, accumulated */
+    uint64_t num_device_free;          /* cuMemUnmap calls, accumulated */
+    uint64_t graph_held_bytes;         /* freed during a capture outside a graph pool, held */
+};
+
+/*
+ * Fill `out` (`out_size` writable bytes, normally sizeof(struct stitch_device_stats)) with
+ * the statistics of `device`: min(out_size, the library's struct size) bytes. Returns the
+ * library's struct size (an older library fills fewer fields: those past the return value
+ * are untouched), or -1 on error (stitch_last_error; `out` untouched). Computes the
+ * fragmentation figures (inactive_split_bytes_current, largest_free_span, free_bytes) by
+ * walking the allocator's structures. Touches no driver before the first allocation.
+ */
+ptrdiff_t stitch_device_stats(int device, struct stitch_device_stats* out, size_t out_size);
+
+/* Restart every peak of `device` from its current value. 0, or -1 on error. The growth
+ * policy keeps its own lifetime peak: this changes no allocation decision. */
+int stitch_reset_peak_stats(int device);
+
+/* Zero `device`'s accumulated counters (see the struct). 0, or -1 on error. */
+int stitch_reset_accumulated_stats(int device);
+
+/*
+ * Limit `device` to `fraction` (0 < fraction <= 1) of its total memory (and to any
+ * capacity of the configuration), at any time. Before the device's first allocation it
+ * sets the capacity the allocator is created with; after it, it changes the capacity at
+ * once: nothing live is touched, and a later allocation that would take the live bytes past
+ * the new limit (or needs memory that cannot be created under it) fails as out of memory.
+ * Returns 0, or -1 on error (a fraction outside (0, 1], a bad device).
+ */
+int stitch_set_memory_fraction(int device, double fraction);
+
+/* The fraction last set on `device` (1.0 if none), or -1.0 on error. */
+double stitch_get_memory_fraction(int device);
+
+/*
+ * CUDA graph private pools. Allocate `size` bytes on `device` for use on `stream`, which may
+ * be capturing a graph (unlike stitch_malloc, which refuses a capturing stream): only clean
+ * free memory (no stream's queued work may still use it) or newly created memory is used;
+ * no event is recorded, queried or waited for on any stream; the driver calls run with the
+ * calling thread in relaxed capture mode (cuThreadExchangeStreamCaptureMode), restored
+ * after. NULL on failure (stitch_last_error) and for size 0. The caller (a graph pool)
+ * keeps the block until the graphs using it are gone, then returns it with
+ * stitch_free_graph.
+ */
+void* stitch_malloc_graph(size_t size, int device, void* stream);
+
+/*
+ * Free `ptr` (from stitch_malloc_graph or stitch_malloc) of `device` as clean: reusable by
+ * every stream at once, no event recorded. The caller guarantees that no queued work uses
+ * it any more (for a graph pool: its graphs are destroyed and the device synchronised
+ * since). 0, or -1 on error (an unknown pointer frees nothing).
+ */
+int stitch_free_graph(void* ptr, int device);
 
 /*
  * The calling thread's last error message, or "" if there was none (since the thread

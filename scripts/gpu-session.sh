@@ -12,6 +12,9 @@
 #                                        # expandable segments vs stitch-alloc, fresh processes)
 #   bash scripts/gpu-session.sh zoo [args]  # scripts/torch-zoo.py --record: the workload zoo,
 #                                        # snapshots packed into $OUT/zoo-snapshots.tgz
+#   bash scripts/gpu-session.sh dropin [args] # scripts/torch-dropin.py: torch's memory API,
+#                                        # OOM, cuDNN, torch.compile, graphs, history, IPC
+#                                        # under default and stitch-alloc, one line per case
 # Logs and results go to $OUT (or ./gpu-logs), packed into one tarball plus a summary.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -106,8 +109,13 @@ wait)
             --include-ignored gpu_fast_path_goes_on 2>&1 | grep -E "slow path waited|test result|panicked|fast-path pair")
     done 2>&1 | tee "$out/wait.txt"
     ;;
+dropin)
+    STITCH_ALLOC_LIB=$(pwd)/.gpu/libstitch_alloc.so PYTHONUNBUFFERED=1 \
+        timeout "${DROPIN_TIMEOUT:-580}" python3 scripts/torch-dropin.py --out "$out/torch-dropin.json" \
+        "${@:2}" 2>&1 | tee "$out/torch-dropin.txt" | tail -40
+    ;;
 *)
-    echo "usage: $0 build|suite|torch|zoo|soak|wait" >&2
+    echo "usage: $0 build|suite|torch|zoo|soak|wait|dropin" >&2
     exit 2
     ;;
 esac

@@ -186,6 +186,93 @@ impl<D: Driver> Allocator<D> {
         r
     }
 
+    /// Allocate `size` bytes for use on `stream`, which may be capturing a CUDA graph (a
+    /// graph's private memory pool): only clean free memory or new memory is used, and no
+    /// event is recorded, queried or waited for on any stream. The driver's virtual memory
+    /// calls run with the thread in relaxed capture mode
+    /// ([`Driver::exchange_capture_mode`]), which a capture in global mode requires. Give
+    /// the memory back with [`Allocator::free_clean`] once no work uses it.
+    ///
+    /// ```
+    /// use stitch_alloc::{Allocator, Config, Stream};
+    /// use stitch_alloc::driver::SimDriver;
+    /// let a = Allocator::new(SimDriver::with_capacity(1 << 30), Config::default()).unwrap();
+    /// let p = a.alloc_clean(8 << 20, Stream::sim(3)).unwrap();
+    /// assert_eq!(a.stats().calls.get(stitch_alloc::driver::DriverOp::RecordEvent), 0);
+    /// a.free_clean(p).unwrap();
+    /// ```
+    pub fn alloc_clean(&self, size: u64, stream: Stream) -> Result<DevicePtr> {
+        let old = self
+            .driver
+            .exchange_capture_mode(crate::driver::CaptureMode::Relaxed)?;
+        let r = {
+            let mut e = self.engine.lock();
+            let r = e.alloc_clean(&self.driver, size, stream).map(DevicePtr);
+            self.check(&e);
+            r
+        };
+        if let Err(err) = self.driver.exchange_capture_mode(old) {
+            tracing::warn!(%err, "could not restore the thread's stream capture mode");
+        }
+        r
+    }
+
+    /// Free memory as clean: usable by every stream at once, with no event recorded. The
+    /// caller guarantees that no work queued on the device uses it any more (for a CUDA
+    /// graph's pool: after the device was synchronised once the graph was destroyed).
+    pub fn free_clean(&self, ptr: DevicePtr) -> Result<()> {
+        let mut e = self.engine.lock();
+        let r = e.free_clean(ptr.0);
+        self.check(&e);
+        r
+    }
+
+    /// Start every high-water mark of [`Allocator::stats`] again from its current value
+    /// (torch's `reset_peak_memory_stats`). The growth budget keeps the lifetime peak
+    /// (`Stats::requested_lifetime_peak`), so resetting changes no allocation decision.
+    pub fn reset_peak_stats(&self) {
+        self.engine.lock().stats.reset_peaks();
+    }
+
+    /// Zero the accumulated counters of [`Allocator::stats`] (`Stats::reset_accumulated`;
+    /// torch's `reset_accumulated_memory_stats`).
+    ///
+    /// ```
+    /// use stitch_alloc::{Allocator, Config, Stream};
+    /// use stitch_alloc::driver::SimDriver;
+    /// let a = Allocator::new(SimDriver::with_capacity(1 << 30), Config::default()).unwrap();
+    /// let p = a.alloc(1 << 20, Stream::DEFAULT).unwrap();
+    /// a.reset_accumulated_stats();
+    /// let s = a.stats();
+    /// assert_eq!((s.allocs, s.live_allocations.current), (0, 1));
+    /// # a.free(p, Stream::DEFAULT).unwrap();
+    /// ```
+    pub fn reset_accumulated_stats(&self) {
+        self.engine.lock().stats.reset_accumulated();
+    }
+
+    /// Change the capacity at run time to `bytes` rounded down to the granularity; returns
+    /// the capacity set. Nothing live is touched: with a lower capacity no memory is created
+    /// while more than it is held, and a later allocation that does not fit under it fails
+    /// with [`AllocError::OutOfMemory`] (or `TooLarge`).
+    ///
+    /// ```
+    /// use stitch_alloc::{Allocator, Config, Stream};
+    /// use stitch_alloc::driver::SimDriver;
+    /// let a = Allocator::new(SimDriver::with_capacity(1 << 30), Config::default()).unwrap();
+    /// let p = a.alloc(256 << 20, Stream::DEFAULT).unwrap();
+    /// assert_eq!(a.set_capacity(300 << 20).unwrap(), 300 << 20);
+    /// assert!(a.alloc(128 << 20, Stream::DEFAULT).is_err(), "256 + 128 MiB > 300 MiB");
+    /// assert_eq!(a.usable_size(p), Some(256 << 20), "the live allocation is untouched");
+    /// # a.free(p, Stream::DEFAULT).unwrap();
+    /// ```
+    pub fn set_capacity(&self, bytes: u64) -> Result<u64> {
+        let mut e = self.engine.lock();
+        let r = e.set_capacity(bytes);
+        self.check(&e);
+        r
+    }
+
     /// Allocate a buffer that frees itself when dropped.
     ///
     /// ```

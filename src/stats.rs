@@ -139,6 +139,58 @@ pub struct Stats {
     pub event_waits: u64,
     /// Driver calls made by the allocator, by kind.
     pub calls: CallCounts,
+    /// The highest `requested.current` since the allocator was created: unlike
+    /// `requested.peak`, never reset ([`Stats::reset_peaks`]), so the growth budget does not
+    /// change when a program resets its peak statistics.
+    pub requested_lifetime_peak: u64,
+}
+
+impl Stats {
+    /// Start every high-water mark again from the current value (torch's
+    /// `reset_peak_memory_stats`). `requested_lifetime_peak` is kept.
+    ///
+    /// ```
+    /// use stitch_alloc::{Allocator, Config, Stream};
+    /// use stitch_alloc::driver::SimDriver;
+    /// let a = Allocator::new(SimDriver::with_capacity(1 << 30), Config::default()).unwrap();
+    /// let p = a.alloc(8 << 20, Stream::DEFAULT).unwrap();
+    /// a.free(p, Stream::DEFAULT).unwrap();
+    /// a.reset_peak_stats();
+    /// let s = a.stats();
+    /// assert_eq!((s.requested.peak, s.requested_lifetime_peak), (0, 8 << 20));
+    /// ```
+    pub fn reset_peaks(&mut self) {
+        for g in [
+            &mut self.requested,
+            &mut self.allocated,
+            &mut self.reserved,
+            &mut self.mapped,
+            &mut self.live_allocations,
+        ] {
+            g.peak = g.current;
+        }
+    }
+
+    /// Zero every accumulated counter (allocations, frees, paths taken, stitches, handles
+    /// created and released, out-of-memory errors, event waits, driver calls): torch's
+    /// `reset_accumulated_memory_stats`. Gauges, `pending_free`, `handles` and
+    /// `preallocated` describe the present and are kept.
+    pub fn reset_accumulated(&mut self) {
+        self.allocs = 0;
+        self.frees = 0;
+        self.fast_allocs = 0;
+        self.slow_allocs = 0;
+        self.stitches = 0;
+        self.extensions = 0;
+        self.stitched_handles = 0;
+        self.recreated_handles = 0;
+        self.aliased_handles = 0;
+        self.handles_created = 0;
+        self.handles_released = 0;
+        self.ooms = 0;
+        self.event_waits = 0;
+        self.calls = CallCounts::default();
+    }
 }
 
 /// A fragmentation and layout report, computed on demand by walking every structure

@@ -10,37 +10,43 @@ package loads its C library (``libstitch_alloc.so``) into PyTorch::
     stitch_alloc.memory_stats(0)     # PyTorch's key names, plus the allocator's own
     print(stitch_alloc.memory_summary(0))
 
-Under a pluggable allocator ``torch.cuda.memory_stats()`` and friends raise; use this
-package's :func:`memory_stats`, :func:`memory_summary` and :func:`empty_cache` (or
-``torch.cuda.empty_cache()``, which reaches the library through its reset hook).
+Two ways of serving torch, chosen by :func:`enable`:
+
+* **The C++ extension** (default; ``csrc/stitch_torch.cpp``, built at the first
+  ``enable()`` with ``torch.utils.cpp_extension.load`` and cached by torch): implements
+  torch's whole allocator interface (``c10::cuda::CUDACachingAllocator::CUDAAllocator``)
+  over the library. ``torch.cuda.memory_allocated()``, ``memory_stats()``,
+  ``memory_summary()``, ``reset_peak_memory_stats()`` and the rest work; running out of
+  memory raises ``torch.cuda.OutOfMemoryError`` with the allocator's diagnosis (OOM
+  observers are called) and the process carries on; ``cudnn.benchmark`` works
+  (``cacheInfo``); CUDA graphs get private memory pools (``torch.cuda.graph``,
+  ``graph_pool_handle``, ``torch.compile(mode="reduce-overhead")``'s cudagraph trees with
+  checkpointed pool state); ``torch.cuda.memory._record_memory_history`` / ``_snapshot``
+  record alloc / free_requested / free_completed / oom entries (each allocation is one
+  segment of the snapshot); ``set_per_process_memory_fraction`` works at any time.
+  Sharing CUDA tensors between processes (``torch.multiprocessing``) raises a clear error.
+* **The fallback**, ``torch.cuda.memory.CUDAPluggableAllocator`` with the init, reset,
+  memory-fraction and record-stream hooks, when the extension cannot be built (no compiler
+  or ninja) or ``extension=False``. It lacks what :data:`FALLBACK_LACKS` lists (the warning
+  says so): ``torch.cuda.memory_stats()`` and friends raise (use this package's
+  :func:`memory_stats`, :func:`memory_summary`, :func:`empty_cache`); out of memory is not
+  ``OutOfMemoryError`` (torch 2.11's ``CUDAPluggableAllocator::allocate`` does not check the
+  pointer, so ``torch.empty`` succeeds with an unallocated storage and its first use raises
+  ``RuntimeError: ... data is not allocated yet``; the diagnosis is in :func:`last_error`);
+  CUDA graph capture fails loudly instead of corrupting memory (``capture_begin`` raises
+  :class:`GraphCaptureUnsupported`, and the library refuses an allocation on a capturing
+  stream and keeps a block freed during a capture out of reuse, ``graph_held_bytes``).
 
 Configuration: the ``conf`` argument of :func:`enable` or the ``STITCH_ALLOC_CONF``
 environment variable, e.g. ``"backend:cuda,capacity_fraction:0.9,log:warn"`` (see
 ``include/stitch_alloc.h`` for every key). It is read once per process, at the library's
 first call.
 
-Caveat (torch 2.11): ``CUDAPluggableAllocator::allocate`` does not check the pointer its
-allocator returns, so running out of memory does not raise ``torch.cuda.OutOfMemoryError``.
-stitch-alloc returns NULL (and logs why); ``torch.empty`` then succeeds with an unallocated
-storage and the tensor's first use (``data_ptr()``, any kernel) raises ``RuntimeError: The
-tensor has a non-zero number of elements, but its data is not allocated yet``. The
-allocator's diagnosis is in the log and in :func:`last_error` (of the allocating thread).
-``on_oom:abort`` stops the process with the diagnosis instead.
-
-CUDA graphs: this path has no private graph memory pools yet, and memory that a graph's
-kernels use must never be handed to another tensor while the graph lives. So under
-stitch-alloc a graph capture fails loudly instead of corrupting memory: :func:`enable`
-makes ``torch.cuda.CUDAGraph.capture_begin`` (``torch.cuda.graph``,
-``torch.cuda.make_graphed_callables``, ``torch.compile(mode="reduce-overhead")``) raise
-:class:`GraphCaptureUnsupported`, and the library itself refuses an allocation on a
-capturing stream (NULL, with the reason in :func:`last_error`) and keeps a block freed
-during a capture out of reuse for the life of the process (``graph_held_bytes`` in
-:func:`stats`).
-
-Memory fraction: ``torch.cuda.set_per_process_memory_fraction`` takes effect only before the
-device's first allocation (the allocator's capacity is fixed when it is created); later it
-raises ``RuntimeError``. The default capacity is the device memory free at that first
-allocation (memory other processes hold is not counted).
+Memory fraction: ``torch.cuda.set_per_process_memory_fraction`` works at any time (both
+paths): after the device's first allocation it changes the capacity at once; nothing live
+is touched, later allocations beyond the limit fail as out of memory. The default capacity
+is the device memory free at that first allocation (memory other processes hold is not
+counted).
 
 Fork: the library touches the CUDA driver only at the first allocation, so :func:`enable`
 alone does not initialise CUDA (``CUDA_VISIBLE_DEVICES`` may still be set, and a forked
@@ -74,6 +80,10 @@ __all__ = [
     "last_error",
     "version",
     "GraphCaptureUnsupported",
+    "build_extension",
+    "mode",
+    "EXT_ENV",
+    "FALLBACK_LACKS",
 ]
 
 __version__ = "0.1.0"
@@ -174,6 +184,13 @@ def _declare(lib):
         "stitch_last_error": (c.c_char_p, []),
         "stitch_clear_error": (None, []),
         "stitch_version": (c.c_char_p, []),
+        "stitch_device_stats": (c.c_ssize_t, [c.c_int, c.c_void_p, c.c_size_t]),
+        "stitch_reset_peak_stats": (c.c_int, [c.c_int]),
+        "stitch_reset_accumulated_stats": (c.c_int, [c.c_int]),
+        "stitch_set_memory_fraction": (c.c_int, [c.c_int, c.c_double]),
+        "stitch_get_memory_fraction": (c.c_double, [c.c_int]),
+        "stitch_malloc_graph": (c.c_void_p, [c.c_size_t, c.c_int, c.c_void_p]),
+        "stitch_free_graph": (c.c_int, [c.c_void_p, c.c_int]),
     }
     for name, (res, args) in sigs.items():
         f = getattr(lib, name)
@@ -222,7 +239,102 @@ def is_enabled():
     return _torch_allocator is not None
 
 
-def enable(path=None, conf=None, prealloc=None):
+#: Set to ``0`` to skip the C++ extension and use the ``CUDAPluggableAllocator`` fallback;
+#: ``1`` to require it (``enable()`` raises if it cannot be built).
+EXT_ENV = "STITCH_ALLOC_TORCH_EXT"
+
+#: What the ``CUDAPluggableAllocator`` fallback lacks (said in the warning when it is used).
+FALLBACK_LACKS = (
+    "torch.cuda.memory_allocated/memory_stats/memory_summary and the other torch.cuda.memory_* "
+    "statistics (they raise; use stitch_alloc.memory_stats), torch.cuda.OutOfMemoryError on "
+    "out of memory (torch.empty succeeds with an unallocated storage), cudnn.benchmark "
+    "(cacheInfo), CUDA graphs and torch.compile(mode='reduce-overhead') (no private graph "
+    "pools: captures are refused), _record_memory_history/_snapshot, and OOM observers"
+)
+
+_ext = None
+_ext_error = None
+
+
+def _extension_sources():
+    """The extension's source and the folders holding ``stitch_alloc.h``."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    src = os.path.join(here, "csrc", "stitch_torch.cpp")
+    incs = []
+    for d in (os.path.join(here, "include"), os.path.join(here, "..", "..", "include")):
+        if os.path.isfile(os.path.join(d, "stitch_alloc.h")):
+            incs.append(os.path.realpath(d))
+            break
+    return src, incs
+
+
+def _cuda_runtime_from_wheels():
+    """(include dir, lib dir, library file name) of the CUDA runtime that torch's pip wheels
+    ship (``nvidia/cu13`` or ``nvidia/cuda_runtime``), or None."""
+    try:
+        import nvidia  # noqa: PLC0415 (namespace package of the CUDA wheels)
+    except ImportError:
+        return None
+    for base in list(getattr(nvidia, "__path__", [])):
+        for sub in ("cu13", "cuda_runtime", "cu12"):
+            inc, lib = os.path.join(base, sub, "include"), os.path.join(base, sub, "lib")
+            if not os.path.isfile(os.path.join(inc, "cuda_runtime_api.h")):
+                continue
+            names = sorted(n for n in os.listdir(lib) if n.startswith("libcudart.so")) if os.path.isdir(lib) else []
+            if names:
+                return inc, lib, names[0]
+    return None
+
+
+def build_extension(verbose=False):
+    """Build (or load from torch's extension cache) the C++ extension that implements torch's
+    whole CUDA allocator interface over the library, and return its module.
+
+    Built with ``torch.utils.cpp_extension.load`` (needs a C++ compiler and ninja; the
+    first build takes about a minute, later calls load the cached one, rebuilt when the
+    source or ``stitch_alloc.h`` changes). The CUDA headers come from ``CUDA_HOME`` or, when
+    torch finds no CUDA installation, from torch's CUDA wheels (``nvidia/cu13``)."""
+    global _ext
+    if _ext is not None:
+        return _ext
+    from torch.utils import cpp_extension  # noqa: PLC0415
+
+    src, incs = _extension_sources()
+    if not os.path.isfile(src) or not incs:
+        raise FileNotFoundError(f"the extension's source or stitch_alloc.h is missing ({src})")
+    ldflags = []
+    with_cuda = cpp_extension.CUDA_HOME is not None
+    if not with_cuda:
+        rt = _cuda_runtime_from_wheels()
+        if rt is None:
+            raise RuntimeError("no CUDA installation (CUDA_HOME) and no CUDA runtime wheel found")
+        inc, lib, name = rt
+        incs.append(inc)
+        torch_lib = os.path.join(os.path.dirname(cpp_extension.__file__), "..", "lib")
+        ldflags += [f"-L{lib}", f"-l:{name}", f"-Wl,-rpath,{lib}",
+                    f"-L{os.path.realpath(torch_lib)}", "-lc10_cuda", "-ltorch_cuda"]
+    _ext = cpp_extension.load(
+        name="stitch_alloc_torch",
+        sources=[src],
+        extra_include_paths=incs,
+        extra_cflags=["-O2", "-std=c++17"],
+        extra_ldflags=ldflags,
+        with_cuda=with_cuda,
+        verbose=verbose,
+    )
+    return _ext
+
+
+def mode():
+    """How stitch-alloc serves torch: ``"extension"`` (the C++ extension: torch's whole
+    allocator interface), ``"pluggable"`` (the ``CUDAPluggableAllocator`` fallback), or
+    None (not enabled)."""
+    if _torch_allocator is None:
+        return None
+    return "pluggable" if _ext is None or _torch_allocator is not _ext else "extension"
+
+
+def enable(path=None, conf=None, prealloc=None, extension=None):
     """Make stitch-alloc PyTorch's CUDA allocator. Call it before the first CUDA allocation.
 
     ``prealloc``: bytes (an int or a size such as ``"20GiB"``) created and mapped at the
@@ -231,15 +343,22 @@ def enable(path=None, conf=None, prealloc=None):
 
     ``path``: the library (default: :func:`find_library`). ``conf``: a configuration string
     (default: ``$STITCH_ALLOC_CONF``; it is written there, so it must come before the
-    library's first call in this process). Loads the library through
-    ``torch.cuda.memory.CUDAPluggableAllocator(path, "stitch_malloc", "stitch_free")``, sets
-    the init, reset (``torch.cuda.empty_cache()``), memory-fraction and record-stream hooks,
-    and calls ``torch.cuda.memory.change_current_allocator``. An invalid configuration
-    raises ``ValueError`` here rather than failing every allocation later.
+    library's first call in this process). An invalid configuration raises ``ValueError``
+    here rather than failing every allocation later.
 
-    Returns the ``CUDAPluggableAllocator``. Calling it again returns the same one.
+    ``extension``: None (default; ``$STITCH_ALLOC_TORCH_EXT`` when set): build and install
+    the C++ extension (:func:`build_extension`), which implements torch's whole allocator
+    interface (``torch.cuda.memory_*`` statistics, ``OutOfMemoryError``, ``cacheInfo``,
+    CUDA graph private pools, memory history, memory fraction at any time, ...); if it
+    cannot be built or loaded, warn and fall back to
+    ``torch.cuda.memory.CUDAPluggableAllocator`` with the init, reset, memory-fraction and
+    record-stream hooks (the warning lists what the fallback lacks, :data:`FALLBACK_LACKS`).
+    True: the extension or an error. False: the fallback, without a warning.
+
+    Returns the extension module or the ``CUDAPluggableAllocator`` (:func:`mode` says
+    which). Calling it again returns the same one.
     """
-    global _torch_allocator
+    global _torch_allocator, _ext_error
     with _lock:
         if _torch_allocator is not None:
             if conf is not None and os.environ.get(CONF_ENV) != conf:
@@ -249,6 +368,8 @@ def enable(path=None, conf=None, prealloc=None):
                     stacklevel=2,
                 )
             return _torch_allocator
+        if extension is None and os.environ.get(EXT_ENV, "") in ("0", "1"):
+            extension = os.environ[EXT_ENV] == "1"
         if prealloc is not None:
             base = conf if conf is not None else os.environ.get(CONF_ENV, "")
             conf = ",".join(x for x in (base, f"prealloc:{prealloc}") if x)
@@ -282,38 +403,70 @@ def enable(path=None, conf=None, prealloc=None):
         # allocation fails with the reason (backend auto and cuda are CUDA or an error).
         import torch  # noqa: PLC0415 (only enable() needs torch)
 
-        alloc = torch.cuda.memory.CUDAPluggableAllocator(lib_path, "stitch_malloc", "stitch_free")
-        native = alloc.allocator()
-        missing = []
-        for setter, symbol in _HOOKS:
-            fn = getattr(native, setter, None)
-            if fn is None:
-                missing.append(setter)
-                continue
-            fn(ctypes.cast(getattr(lib, symbol), ctypes.c_void_p).value)
-        if missing:
-            warnings.warn(
-                "stitch_alloc.enable: this torch has no " + ", ".join(missing)
-                + "; those hooks are not installed",
-                stacklevel=2,
-            )
-        try:
-            torch.cuda.memory.change_current_allocator(alloc)
-        except RuntimeError as e:
-            raise RuntimeError(
-                "stitch_alloc.enable() must run before the first CUDA allocation of the "
-                f"process (torch: {e})"
-            ) from e
-        _guard_graph_capture(torch)
-        _guard_memory_fraction(torch, lib)
+        if extension is not False:
+            try:
+                ext = build_extension()
+            except Exception as e:  # noqa: BLE001 (any build failure means the fallback)
+                _ext_error = f"{type(e).__name__}: {e}"
+                if extension:
+                    raise RuntimeError(
+                        f"stitch_alloc.enable: the C++ extension could not be built: {_ext_error}"
+                    ) from e
+                warnings.warn(
+                    "stitch_alloc.enable: the C++ torch extension could not be built or "
+                    f"loaded ({_ext_error.splitlines()[0][:300]}); falling back to "
+                    "torch.cuda.memory.CUDAPluggableAllocator, which lacks: " + FALLBACK_LACKS,
+                    stacklevel=2,
+                )
+            else:
+                try:
+                    ext.install(lib_path)
+                except RuntimeError as e:
+                    raise RuntimeError(
+                        "stitch_alloc.enable() must run before the first CUDA allocation of "
+                        f"the process (torch: {e})"
+                    ) from e
+                _torch_allocator = ext
+                return ext
+        alloc = _enable_pluggable(torch, lib, lib_path)
         _torch_allocator = alloc
         return alloc
 
 
+def _enable_pluggable(torch, lib, lib_path):
+    """The fallback: ``CUDAPluggableAllocator`` with the init, reset, memory-fraction and
+    record-stream hooks, and the graph-capture guard."""
+    alloc = torch.cuda.memory.CUDAPluggableAllocator(lib_path, "stitch_malloc", "stitch_free")
+    native = alloc.allocator()
+    missing = []
+    for setter, symbol in _HOOKS:
+        fn = getattr(native, setter, None)
+        if fn is None:
+            missing.append(setter)
+            continue
+        fn(ctypes.cast(getattr(lib, symbol), ctypes.c_void_p).value)
+    if missing:
+        warnings.warn(
+            "stitch_alloc.enable: this torch has no " + ", ".join(missing)
+            + "; those hooks are not installed",
+            stacklevel=3,
+        )
+    try:
+        torch.cuda.memory.change_current_allocator(alloc)
+    except RuntimeError as e:
+        raise RuntimeError(
+            "stitch_alloc.enable() must run before the first CUDA allocation of the "
+            f"process (torch: {e})"
+        ) from e
+    _guard_graph_capture(torch)
+    _guard_memory_fraction(torch, lib)
+    return alloc
+
+
 def _guard_memory_fraction(torch, lib):
     """Make ``torch.cuda.set_per_process_memory_fraction`` raise when the library refuses the
-    fraction (a device whose allocator exists already: its capacity cannot change), instead
-    of returning as if it had taken effect."""
+    fraction (out of (0, 1], a bad device), instead of returning as if it had taken effect
+    (the pluggable allocator's hook returns nothing)."""
     mem = torch.cuda.memory
     orig = getattr(mem, "set_per_process_memory_fraction", None)
     if orig is None or getattr(orig, "_stitch_alloc_guarded", False):

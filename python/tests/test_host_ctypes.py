@@ -1,6 +1,8 @@
 """The library through ctypes on the host backend: no torch, no GPU."""
 import ctypes
 import json
+import os
+import re
 import subprocess
 import sys
 
@@ -230,3 +232,42 @@ def test_retire_stream(lib):
     assert stitch_alloc.last_error() == ""
     with pytest.raises(RuntimeError, match="device"):
         stitch_alloc.retire_stream(stream, device=99)
+
+
+def test_extension_sources_are_found():
+    """The C++ extension's source and the C header it includes are where enable() builds
+    them from (in the source tree and, through the package data, when installed)."""
+    src, incs = stitch_alloc._extension_sources()
+    assert os.path.isfile(src), src
+    assert incs and os.path.isfile(os.path.join(incs[0], "stitch_alloc.h")), incs
+    text = open(src).read()
+    # Every function the extension looks up is in the header (and exported, see below).
+    header = open(os.path.join(incs[0], "stitch_alloc.h")).read()
+
+    for name in set(re.findall(r'get\(\w+, "(stitch_\w+)"\)', text)):
+        assert name + "(" in header, name
+
+
+def test_new_abi_functions_through_ctypes(lib):
+    """Typed statistics, resets and a memory fraction at run time (issue #12)."""
+
+    class DeviceStats(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_uint64) for n in (
+            "initialized", "capacity", "allocated_current", "allocated_peak")]
+
+    p = lib.stitch_malloc(5 << 20, 1, None)
+    assert p
+    st = DeviceStats()
+    n = lib.stitch_device_stats(1, ctypes.byref(st), ctypes.sizeof(st))
+    assert n >= ctypes.sizeof(st)
+    assert st.initialized == 1 and st.allocated_current >= 5 << 20
+    lib.stitch_free(p, 0, 1, None)
+    assert lib.stitch_reset_peak_stats(1) == 0
+    lib.stitch_device_stats(1, ctypes.byref(st), ctypes.sizeof(st))
+    assert st.allocated_peak == st.allocated_current
+    cap = st.capacity
+    assert lib.stitch_set_memory_fraction(1, 0.5) == 0
+    lib.stitch_device_stats(1, ctypes.byref(st), ctypes.sizeof(st))
+    assert st.capacity <= cap // 2 and st.capacity > 0
+    assert lib.stitch_get_memory_fraction(1) == 0.5
+    assert lib.stitch_set_memory_fraction(1, 1.0) == 0

@@ -19,13 +19,17 @@ if not torch.cuda.is_available():
 MIB = 1 << 20
 
 
-def run_torch(libpath, body, conf="backend:cuda,log:warn", timeout=300):
+def run_torch(libpath, body, conf="backend:cuda,log:warn", timeout=300, ext=None):
     """Run `body` after stitch_alloc.enable() in a child; return the dict it printed as
-    `RESULT {...}`."""
+    `RESULT {...}`. `ext`: None (the extension where it builds), True (the C++ extension,
+    required), False (the CUDAPluggableAllocator fallback)."""
     code = "import json, torch, stitch_alloc\nstitch_alloc.enable()\n" + textwrap.dedent(body)
+    env = subprocess_env(libpath, conf)
+    if ext is not None:
+        env["STITCH_ALLOC_TORCH_EXT"] = "1" if ext else "0"
     r = subprocess.run(
         [sys.executable, "-c", code],
-        env=subprocess_env(libpath, conf),
+        env=env,
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -167,6 +171,7 @@ def test_out_of_memory_behaviour(libpath):
         print("RESULT", json.dumps({"outcome": outcome, "last_error": err,
               "after": x.sum().item(), "stats": stitch_alloc.memory_stats(0)}))
         """,
+        ext=False,
     )
     print("torch with a NULL from the allocator:", res["outcome"])
     assert "raised" in res["outcome"] or res["outcome"].endswith("data_ptr() = 0")
@@ -262,6 +267,7 @@ def test_graph_capture_fails_loudly_and_corrupts_nothing(libpath):
         print("RESULT", json.dumps({"errs": errs, "same_stream": same_stream,
               "dirty": dirty, "ok": ok}))
         """,
+        ext=False,
     )
     assert len(res["errs"]) == 2, res
     assert all("CUDA graph capture is not supported" in e for e in res["errs"]), res
@@ -300,6 +306,7 @@ def test_capture_on_raw_stream_refused_by_library(libpath):
         z = torch.ones(1 << 20, device="cuda").sum().item()
         print("RESULT", json.dumps({"raised": raised, "err": err, "z": z, "n0": n0, "n1": n1}))
         """,
+        ext=False,
     )
     # The 4 MiB result of `x * 2` got no memory while the stream was capturing.
     assert res["n1"] == res["n0"], res
@@ -385,25 +392,96 @@ def test_library_fails_cleanly_in_a_forked_child(libpath):
     assert res["parent_ok"] == float(1 << 20)
 
 
-def test_late_memory_fraction_raises(libpath):
-    """Issue #13, item 11: a memory fraction set after the device's first allocation cannot
-    change its capacity; it used to be ignored silently, it now raises."""
+@pytest.mark.parametrize("ext", [False, True])
+def test_late_memory_fraction_takes_effect(libpath, ext):
+    """Issue #12: a memory fraction set after the device's first allocation changes its
+    capacity at once (it used to be refused); live tensors are untouched and an allocation
+    beyond the new limit fails."""
     res = run_torch(
         libpath,
         """
         x = torch.ones(1 << 20, device="cuda")
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(0.1, 0)
         cap = stitch_alloc.memory_stats(0)["capacity"]
-        err = None
+        failed = False
         try:
-            torch.cuda.set_per_process_memory_fraction(0.1, 0)
-        except RuntimeError as e:
-            err = str(e)
-        print("RESULT", json.dumps({"err": err,
-              "same": stitch_alloc.memory_stats(0)["capacity"] == cap}))
+            y = torch.empty(int(total * 0.2), dtype=torch.uint8, device="cuda")
+            failed = y.data_ptr() == 0
+        except Exception:  # noqa: BLE001 (OutOfMemoryError, or RuntimeError on the fallback)
+            failed = True
+        print("RESULT", json.dumps({"cap": cap, "total": total, "failed": failed,
+              "x": x.sum().item()}))
         """,
+        ext=ext,
     )
-    assert res["err"] is not None and "already has its allocator" in res["err"], res
-    assert res["same"]
+    assert res["cap"] <= res["total"] * 0.1 + (2 << 20), res
+    assert res["failed"], res
+    assert res["x"] == float(1 << 20)
+
+
+def test_extension_torch_memory_api_and_oom(libpath):
+    """Issue #12, items 1-2: torch's own statistics work and OOM raises OutOfMemoryError with
+    the allocator's diagnosis; observers are called; the process carries on."""
+    res = run_torch(
+        libpath,
+        """
+        assert stitch_alloc.mode() == "extension", stitch_alloc.mode()
+        x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+        a0 = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        del x
+        summary = torch.cuda.memory_summary()
+        seen = []
+        torch._C._cuda_attach_out_of_memory_observer(lambda *a: seen.append(a))
+        total = torch.cuda.get_device_properties(0).total_memory
+        msg = None
+        try:
+            torch.empty(2 * total, dtype=torch.uint8, device="cuda")
+        except torch.cuda.OutOfMemoryError as e:
+            msg = str(e)
+        y = (torch.ones(1 << 20, device="cuda") * 2).sum().item()
+        print("RESULT", json.dumps({"a0": a0, "after": torch.cuda.memory_allocated(),
+              "peak": torch.cuda.max_memory_allocated(), "reserved": torch.cuda.memory_reserved(),
+              "summary": len(summary), "msg": msg, "seen": len(seen), "y": y}))
+        """,
+        ext=True,
+    )
+    assert res["a0"] >= 64 << 20 and res["after"] < 64 << 20, res
+    assert res["peak"] >= 64 << 20 and res["reserved"] >= 64 << 20, res
+    assert res["summary"] > 100
+    assert res["msg"] and "stitch-alloc" in res["msg"], res
+    assert res["seen"] >= 1 and res["y"] == float(2 << 20)
+
+
+def test_extension_graph_pool_keeps_replays_from_corrupting(libpath):
+    """Issue #12, item 4: a temporary freed during capture stays in the graph's private pool,
+    so tensors allocated after capture never share its memory and replays leave them
+    intact (this corrupted 1 of 8 tensors without pools)."""
+    res = run_torch(
+        libpath,
+        """
+        x = torch.randn(1 << 20, device="cuda")
+        s = torch.cuda.Stream()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            t = x * 2
+            y = t.sin()
+            del t
+        with torch.cuda.stream(s):
+            outs = [torch.zeros_like(x) for _ in range(8)]
+            g.replay()
+        torch.cuda.synchronize()
+        dirty = sum(int(o.abs().sum().item() != 0) for o in outs)
+        ok = bool(torch.allclose(y, (x * 2).sin()))
+        del g, y
+        torch.cuda.empty_cache()
+        print("RESULT", json.dumps({"dirty": dirty, "ok": ok}))
+        """,
+        ext=True,
+    )
+    assert res["dirty"] == 0, res
+    assert res["ok"], res
 
 
 def test_default_capacity_is_the_free_memory(libpath):

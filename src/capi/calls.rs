@@ -7,6 +7,7 @@ use super::capture::CAPTURE_UNSUPPORTED;
 use super::conf::OnOom;
 use super::guard::{describe, first_time, report};
 use super::runtime::Runtime;
+use super::stats::DeviceStats;
 use crate::driver::Driver;
 use crate::{AllocError, DevicePtr, Stream};
 use std::ffi::c_int;
@@ -257,5 +258,118 @@ pub(super) fn stats_json(rt: &Runtime, device: c_int) -> Option<String> {
             );
             None
         }
+    }
+}
+
+/// `stitch_device_stats`: the figures, or an error (reported).
+pub(super) fn device_stats(rt: &Runtime, device: c_int) -> Option<DeviceStats> {
+    match rt.device_stats(device) {
+        Ok(s) => Some(s),
+        Err(m) => {
+            report(
+                first_time(&m),
+                &format!("stitch_device_stats(device={device}): {m}"),
+            );
+            None
+        }
+    }
+}
+
+/// `stitch_reset_peak_stats` (`accumulated` false) and `stitch_reset_accumulated_stats`:
+/// 0, or -1 on error (reported).
+pub(super) fn reset_stats(rt: &Runtime, device: c_int, accumulated: bool) -> c_int {
+    let func = if accumulated {
+        "stitch_reset_accumulated_stats"
+    } else {
+        "stitch_reset_peak_stats"
+    };
+    let r = rt.if_created(func, device, |a| {
+        if accumulated {
+            a.reset_accumulated_stats()
+        } else {
+            a.reset_peak_stats()
+        }
+    });
+    match r {
+        Ok(()) => 0,
+        Err(m) => {
+            report(first_time(&m), &format!("{func}(device={device}): {m}"));
+            -1
+        }
+    }
+}
+
+/// `stitch_set_memory_fraction`: 0, or -1 on error (reported).
+pub(super) fn set_memory_fraction(rt: &Runtime, device: c_int, fraction: f64) -> c_int {
+    match rt.set_fraction(fraction, device) {
+        Ok(()) => 0,
+        Err(m) => {
+            report(
+                tracing::Level::WARN,
+                &format!("stitch_set_memory_fraction(device={device}, fraction={fraction}): {m}"),
+            );
+            -1
+        }
+    }
+}
+
+/// `stitch_get_memory_fraction`: the fraction last set, 1.0 if none, -1.0 on error.
+pub(super) fn get_memory_fraction(rt: &Runtime, device: c_int) -> f64 {
+    match rt.fraction(device) {
+        Ok(f) => f.unwrap_or(1.0),
+        Err(m) => {
+            report(
+                first_time(&m),
+                &format!("stitch_get_memory_fraction(device={device}): {m}"),
+            );
+            -1.0
+        }
+    }
+}
+
+/// `stitch_malloc_graph`: the address, or 0 on failure (reported). Allowed on a capturing
+/// stream: clean or new memory only, no event on any stream, the driver in relaxed capture
+/// mode ([`crate::Allocator::alloc_clean`]).
+pub(super) fn malloc_graph(rt: &Runtime, size: usize, device: c_int, stream: Stream) -> u64 {
+    let fail = |level, m: &str| {
+        report(
+            level,
+            &format!("stitch_malloc_graph(size={size}, device={device}): {m}"),
+        );
+        0
+    };
+    if size == 0 {
+        return 0;
+    }
+    let r = rt.with_alloc("stitch_malloc_graph", device, |a, _| {
+        a.alloc_clean(size as u64, stream)
+            .map(|p| p.addr())
+            .map_err(|e| describe_oom(rt, size, device, &e))
+    });
+    match r {
+        Ok(Ok(p)) => p,
+        Ok(Err(m)) => fail(tracing::Level::WARN, &m),
+        Err(m) => fail(first_time(&m), &m),
+    }
+}
+
+/// `stitch_free_graph`: 0, or -1 on error (reported).
+pub(super) fn free_graph(rt: &Runtime, addr: u64, device: c_int) -> c_int {
+    let fail = |m: &str| {
+        report(
+            tracing::Level::WARN,
+            &format!("stitch_free_graph(ptr={addr:#x}, device={device}): {m}"),
+        );
+        -1
+    };
+    if addr == 0 {
+        return fail("null pointer");
+    }
+    match rt.with_alloc("stitch_free_graph", device, |a, _| {
+        a.free_clean(DevicePtr(addr))
+    }) {
+        Ok(Ok(())) => 0,
+        Ok(Err(e)) => fail(&describe(&e)),
+        Err(m) => fail(&m),
     }
 }

@@ -231,7 +231,13 @@ impl Conf {
     /// allocator's diagnosis to a failed `cuMemCreate`. Memory freed by others later is not
     /// added. On host and sim the whole device is free at creation, so nothing changes there.
     pub fn allocator_config(&self, mem: MemInfo, fraction: Option<f64>) -> Config {
-        let total = mem.total;
+        let cap = self.capacity_limit(mem.total, fraction).min(mem.free);
+        self.alloc.clone().with_capacity(Capacity::Bytes(cap))
+    }
+
+    /// The capacity this configuration and a memory fraction (torch's
+    /// `set_per_process_memory_fraction`) allow on a device of `total` bytes.
+    pub fn capacity_limit(&self, total: u64, fraction: Option<f64>) -> u64 {
         let mut cap = match (self.abi.capacity_bytes, self.abi.capacity_fraction) {
             (Some(b), _) => b,
             (None, Some(f)) => (total as f64 * f) as u64,
@@ -240,8 +246,7 @@ impl Conf {
         if let Some(f) = fraction {
             cap = cap.min((total as f64 * f) as u64);
         }
-        cap = cap.min(mem.free);
-        self.alloc.clone().with_capacity(Capacity::Bytes(cap))
+        cap
     }
 }
 

@@ -27,10 +27,11 @@
 //!   up in the allocator's tables, so freeing an unknown pointer, a pointer inside an
 //!   allocation or the same pointer twice is an error report, never undefined behaviour.
 //!
-//! No function here has a safety precondition (none reads through a pointer it is given), so
-//! this module holds no `unsafe` code; `#[no_mangle]` is the only reason it is not under
-//! `forbid(unsafe_code)` (its submodules are, but `fork`, whose `pthread_atfork` and
-//! `write(2)` are `unsafe` calls).
+//! One function here has a safety precondition: [`stitch_device_stats`] writes the typed
+//! statistics into the caller's struct (it never reads through it); no other reads or
+//! writes through a pointer it is given. `#[no_mangle]` and that copy are the reasons this
+//! module is not under `forbid(unsafe_code)` (its submodules are, but `fork`, whose
+//! `pthread_atfork` and `write(2)` are `unsafe` calls).
 
 mod calls;
 mod capture;
@@ -233,6 +234,115 @@ pub extern "C" fn stitch_stats_json(device: c_int) -> *const c_char {
                 b.borrow().as_ptr()
             })
             .unwrap_or(std::ptr::null())
+    })
+}
+
+/// Fill `out` (`out_size` writable bytes) with the typed statistics of `device`
+/// (`struct stitch_device_stats`, torch's `DeviceStats` meanings): as many bytes as both
+/// this library's struct and `out_size` hold. Returns the library's struct size (fields
+/// past `min(out_size, return value)` were not written), or -1 on error
+/// ([`stitch_last_error`]) with `out` untouched. Before the device's first allocation every
+/// field is 0 (`initialized` too), and no driver is touched.
+///
+/// # Safety
+/// `out` must be NULL (an error) or point to `out_size` writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn stitch_device_stats(
+    device: c_int,
+    out: *mut c_void,
+    out_size: usize,
+) -> isize {
+    on_runtime("stitch_device_stats", -1, |rt| {
+        if out.is_null() {
+            guard::report(
+                tracing::Level::WARN,
+                "stitch_device_stats: out is a null pointer",
+            );
+            return -1;
+        }
+        let Some(st) = calls::device_stats(rt, device) else {
+            return -1;
+        };
+        let n = std::mem::size_of::<stats::DeviceStats>();
+        // SAFETY: `st` is a plain `repr(C)` struct of integers, `n` bytes long; the caller
+        // guarantees `out` points to `out_size` writable bytes, and at most that many are
+        // written; the two cannot overlap (`st` is a local).
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                (&raw const st).cast::<u8>(),
+                out.cast::<u8>(),
+                n.min(out_size),
+            )
+        };
+        n as isize
+    })
+}
+
+/// Start every high-water mark of `device`'s statistics again from its current value
+/// (torch's `reset_peak_memory_stats`). 0, or -1 on error. The growth policy keeps its own
+/// lifetime peak, so this changes no allocation decision.
+#[no_mangle]
+pub extern "C" fn stitch_reset_peak_stats(device: c_int) -> c_int {
+    on_runtime("stitch_reset_peak_stats", -1, |rt| {
+        calls::reset_stats(rt, device, false)
+    })
+}
+
+/// Zero `device`'s accumulated counters (allocations, frees, handles created and released,
+/// out-of-memory errors, retries, driver calls): torch's `reset_accumulated_memory_stats`.
+/// 0, or -1 on error.
+#[no_mangle]
+pub extern "C" fn stitch_reset_accumulated_stats(device: c_int) -> c_int {
+    on_runtime("stitch_reset_accumulated_stats", -1, |rt| {
+        calls::reset_stats(rt, device, true)
+    })
+}
+
+/// Limit `device` to `fraction` (0 < fraction <= 1) of its memory, at any time: before the
+/// first allocation it sets the capacity the allocator is created with, after it changes the
+/// capacity at once. Nothing live is touched; a later allocation that would take the live
+/// bytes past the new limit (or needs memory that cannot be created under it) fails as out
+/// of memory. 0, or -1 on error.
+#[no_mangle]
+pub extern "C" fn stitch_set_memory_fraction(device: c_int, fraction: c_double) -> c_int {
+    on_runtime("stitch_set_memory_fraction", -1, |rt| {
+        calls::set_memory_fraction(rt, device, fraction)
+    })
+}
+
+/// The memory fraction last set on `device` (1.0 if none), or -1.0 on error.
+#[no_mangle]
+pub extern "C" fn stitch_get_memory_fraction(device: c_int) -> c_double {
+    on_runtime("stitch_get_memory_fraction", -1.0, |rt| {
+        calls::get_memory_fraction(rt, device)
+    })
+}
+
+/// Allocate `size` bytes for a CUDA graph's private memory pool on `stream`, which may be
+/// capturing: only clean free memory (no work of any stream may still use it) or new
+/// memory is used, no event is recorded, queried or waited for on any stream, and the
+/// driver's calls run with the thread in relaxed capture mode. NULL on failure (out of
+/// memory, too large, ...; [`stitch_last_error`]) or for size 0. Give the memory back with
+/// [`stitch_free_graph`] only.
+#[no_mangle]
+pub extern "C" fn stitch_malloc_graph(
+    size: usize,
+    device: c_int,
+    stream: *mut c_void,
+) -> *mut c_void {
+    on_runtime("stitch_malloc_graph", std::ptr::null_mut(), |rt| {
+        u64_to_ptr(calls::malloc_graph(rt, size, device, torch_stream(stream)))
+    })
+}
+
+/// Free `ptr` (from [`stitch_malloc_graph`] or [`stitch_malloc`]) as clean: reusable by every
+/// stream at once, no event recorded. The caller guarantees that no queued work uses it any
+/// more (for a graph pool: the graphs that used it are destroyed and the device was
+/// synchronised since). 0, or -1 on error (an unknown pointer frees nothing).
+#[no_mangle]
+pub extern "C" fn stitch_free_graph(ptr: *mut c_void, device: c_int) -> c_int {
+    on_runtime("stitch_free_graph", -1, |rt| {
+        calls::free_graph(rt, ptr_to_u64(ptr), device)
     })
 }
 

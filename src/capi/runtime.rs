@@ -11,7 +11,7 @@
 use super::capture::GraphHeld;
 use super::conf::{Conf, LogLevel, Peers, DEFAULT_DEVICES, MAX_DEVICES};
 use super::guard::panic_message;
-use super::stats::StatsDoc;
+use super::stats::{DeviceStats, StatsDoc};
 use super::CONF_ENV;
 use crate::driver::host::HOST_DEFAULT_CAPACITY;
 use crate::driver::sim::H200_CAPACITY;
@@ -335,14 +335,25 @@ impl Runtime {
         let slot = self.slot(devices, device)?;
         let mut f = slot.fraction.lock();
         if slot.alloc.get().is_some() {
-            return Err(format!(
-                "refused: device {device} already has its allocator (created at its first \
-                 allocation), whose capacity cannot change; set the memory fraction before \
-                 the device's first allocation (or use capacity_fraction in {CONF_ENV})"
-            ));
+            // The allocator exists: change its capacity now (issue #12). Nothing live is
+            // touched; later allocations beyond the new limit fail.
+            let conf = self.conf()?;
+            return self
+                .with_alloc("stitch_set_memory_fraction", device, |a, _| {
+                    let mem = a.driver().mem_info().map_err(|e| e.to_string())?;
+                    let cap = conf.capacity_limit(mem.total, Some(fraction));
+                    a.set_capacity(cap).map_err(|e| e.to_string())
+                })?
+                .map(|_| *f = Some(fraction));
         }
         *f = Some(fraction);
         Ok(())
+    }
+
+    /// The memory fraction last set on `device` (None: never set).
+    pub fn fraction(&self, device: c_int) -> Result<Option<f64>, String> {
+        let devices = self.resolve()?;
+        Ok(*self.slot(devices, device)?.fraction.lock())
     }
 
     /// The statistics document of `device` (see the header for its fields). Touches no
@@ -356,6 +367,38 @@ impl Runtime {
         let held = slot.map_or(0, |s| s.held.bytes());
         let init = self.init_count.load(Ordering::Relaxed);
         StatsDoc::new(device, self.backend()?, init, &self.raw_conf, a, held)?.to_json()
+    }
+
+    /// The typed statistics of `device` (all 0 before its allocator exists; touches no
+    /// driver then).
+    pub fn device_stats(&self, device: c_int) -> Result<DeviceStats, String> {
+        let slot = self.known_slot(device)?;
+        if let Some(p) = slot.and_then(|s| s.poison.get()) {
+            return Err(p.clone());
+        }
+        let Some((a, slot)) = slot.and_then(|s| Some((s.alloc.get()?.as_ref().ok()?, s))) else {
+            return Ok(DeviceStats::default());
+        };
+        let d = a.detailed_stats();
+        Ok(DeviceStats::new(&d.stats, &d, slot.held.bytes()))
+    }
+
+    /// Run `f` on the allocator of `device` if it exists (a reset of one not created yet has
+    /// nothing to reset and touches no driver).
+    pub fn if_created(
+        &self,
+        func: &str,
+        device: c_int,
+        f: impl FnOnce(&Alloc),
+    ) -> Result<(), String> {
+        let slot = self.known_slot(device)?;
+        if let Some(p) = slot.and_then(|s| s.poison.get()) {
+            return Err(p.clone());
+        }
+        if slot.is_some_and(|s| s.alloc.get().is_some()) {
+            self.with_alloc(func, device, |a, _| f(a))?;
+        }
+        Ok(())
     }
 
     fn create(
@@ -475,7 +518,7 @@ mod tests {
     use super::super::calls;
     use super::super::guard::{guard, last_error};
     use super::*;
-    use crate::driver::{Call, DriverResult, MemInfo};
+    use crate::driver::{Call, DriverOp, DriverResult, MemInfo};
     use crate::Stream;
     use serde_json::Value;
     use std::sync::atomic::AtomicU64;
@@ -657,14 +700,20 @@ mod tests {
         assert!(rt.set_fraction(1.5, 1).unwrap_err().contains("(0, 1]"));
         assert!(rt.set_fraction(f64::NAN, 1).is_err());
         assert_eq!(alloc(&rt, 1).unwrap().capacity(), 32 * MIB);
-        // Later, refused loudly (the last error; logged as an error) and nothing changes.
+        assert_eq!(rt.fraction(1).unwrap(), Some(0.5));
+        // Issue #12: later, it changes the capacity at once; live memory is untouched and
+        // a later allocation beyond the limit fails.
+        let a = alloc(&rt, 1).unwrap();
+        let p = a.alloc(12 * MIB, Stream::DEFAULT).unwrap();
         calls::memory_fraction(&rt, 0.25, 1);
-        let e = last_error();
+        assert_eq!(a.capacity(), 16 * MIB);
+        assert_eq!(rt.fraction(1).unwrap(), Some(0.25));
         assert!(
-            e.contains("refused") && e.contains("already has its allocator"),
-            "{e}"
+            a.alloc(8 * MIB, Stream::DEFAULT).is_err(),
+            "12 + 8 MiB > 16 MiB"
         );
-        assert_eq!(alloc(&rt, 1).unwrap().capacity(), 32 * MIB);
+        assert_eq!(a.usable_size(p), Some(12 * MIB));
+        a.free(p, Stream::DEFAULT).unwrap();
         assert_eq!(alloc(&rt, 0).unwrap().capacity(), 64 * MIB);
     }
 
@@ -795,6 +844,36 @@ mod tests {
         free(rt, q, 0, Stream::DEFAULT);
         let r = malloc(rt, 8 * MIB, 0, cap);
         assert!(r != 0 && r != p, "the held block is never handed out again");
+    }
+
+    /// Issue #12: graph-pool memory is handed out on a capturing stream (stitch_malloc
+    /// refuses it), records no event, and comes back clean.
+    #[test]
+    fn graph_pool_allocation_is_allowed_while_capturing() {
+        let (rt, k) = test_rt("backend:cuda", 0);
+        let cap = Stream::sim(9);
+        k.capturing.store(cap.raw(), Ordering::Relaxed);
+        assert_eq!(malloc(rt, MIB, 0, cap), 0, "the ordinary path refuses");
+        let before = alloc(rt, 0).unwrap().stats().calls;
+        let p = guard("stitch_malloc_graph", 0, || {
+            calls::malloc_graph(rt, 8 << 20, 0, cap)
+        });
+        assert_ne!(p, 0, "{}", last_error());
+        let after = alloc(rt, 0).unwrap().stats().calls;
+        for op in [
+            DriverOp::RecordEvent,
+            DriverOp::QueryEvent,
+            DriverOp::WaitEvent,
+        ] {
+            assert_eq!(after.get(op), before.get(op), "{op:?}");
+        }
+        assert_eq!(calls::free_graph(rt, p, 0), 0);
+        assert_eq!(calls::free_graph(rt, p, 0), -1);
+        assert!(last_error().contains("double free"), "{}", last_error());
+        let v = doc(rt, 0);
+        assert_eq!(v["torch"]["allocated_bytes.all.current"], 0);
+        assert_eq!(v["graph_held_bytes"], 0);
+        k.capturing.store(0, Ordering::Relaxed);
     }
 
     /// Issue #13, item 9: a panic inside the allocator disables its device; every later

@@ -40,7 +40,7 @@ pub(super) struct StatsDoc<'a> {
     pub driver_time_us_by_call: BTreeMap<&'static str, f64>,
     /// Driver time of each `stitch_malloc` that called the driver: how many, p50, p99 and
     /// max, microseconds (percentiles within 19%, the maximum exact).
-    pub alloc_driver_time_us: RequestTiming,
+    pub driver_time_us_per_alloc: RequestTiming,
     /// PyTorch's names for what this allocator counts.
     pub torch: TorchStats,
     /// The allocator's counters.
@@ -95,7 +95,7 @@ impl<'a> StatsDoc<'a> {
             vmm_calls: stats.calls.vmm_total(),
             driver_time_us,
             driver_time_us_by_call: by_call,
-            alloc_driver_time_us: a
+            driver_time_us_per_alloc: a
                 .map(|a| a.driver().meter().request_times())
                 .unwrap_or_default(),
             torch: TorchStats::new(&stats, &detailed),
@@ -159,7 +159,98 @@ pub(super) struct TorchStats {
 
 impl TorchStats {
     fn new(s: &Stats, d: &DetailedStats) -> Self {
+        let t = DeviceStats::new(s, d, 0);
         TorchStats {
+            allocated_current: t.allocated_current,
+            allocated_peak: t.allocated_peak,
+            requested_current: t.requested_current,
+            requested_peak: t.requested_peak,
+            reserved_current: t.reserved_current,
+            reserved_peak: t.reserved_peak,
+            active_current: t.active_current,
+            allocations_current: t.allocations_current,
+            allocations_peak: t.allocations_peak,
+            allocations_allocated: t.allocations_allocated,
+            allocations_freed: t.allocations_freed,
+            segments_current: t.segments_current,
+            segments_allocated: t.segments_allocated,
+            segments_freed: t.segments_freed,
+            inactive_split_current: t.inactive_split_bytes_current,
+            num_ooms: t.num_ooms,
+            num_alloc_retries: t.num_alloc_retries,
+            num_device_alloc: t.num_device_alloc,
+            num_device_free: t.num_device_free,
+        }
+    }
+}
+
+/// `struct stitch_device_stats` of `include/stitch_alloc.h`, field for field: the typed
+/// statistics of `stitch_device_stats` (torch's `DeviceStats` meanings). Versioned by its
+/// size: fields are only ever appended, and the call fills as much as the caller's struct
+/// holds.
+#[repr(C)]
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct DeviceStats {
+    /// 1 once the device's allocator exists (its first allocation happened), else 0 (and
+    /// every other field 0).
+    pub initialized: u64,
+    /// The allocator's capacity (changed by `stitch_set_memory_fraction`).
+    pub capacity: u64,
+    /// Bytes of live blocks (rounded sizes): torch's `allocated_bytes`.
+    pub allocated_current: u64,
+    /// Its high-water mark since creation or `stitch_reset_peak_stats`.
+    pub allocated_peak: u64,
+    /// Bytes asked for by live allocations: torch's `requested_bytes`.
+    pub requested_current: u64,
+    /// Its high-water mark.
+    pub requested_peak: u64,
+    /// Physical bytes held in handles: torch's `reserved_bytes`.
+    pub reserved_current: u64,
+    /// Its high-water mark.
+    pub reserved_peak: u64,
+    /// Live bytes plus bytes freed and waiting for other streams: torch's `active_bytes`.
+    pub active_current: u64,
+    /// Live allocations: torch's `allocation`.
+    pub allocations_current: u64,
+    /// Its high-water mark.
+    pub allocations_peak: u64,
+    /// Allocations made (accumulated; `stitch_reset_accumulated_stats`).
+    pub allocations_allocated: u64,
+    /// Allocations freed (accumulated).
+    pub allocations_freed: u64,
+    /// Physical handles held: torch's `segment`.
+    pub segments_current: u64,
+    /// Handles created (accumulated).
+    pub segments_allocated: u64,
+    /// Handles released (accumulated).
+    pub segments_freed: u64,
+    /// Free bytes in handles that also hold live bytes (not releasable): torch's
+    /// `inactive_split_bytes`.
+    pub inactive_split_bytes_current: u64,
+    /// Bytes freed with uses on several streams, waiting for their events.
+    pub pending_free_bytes: u64,
+    /// The largest free mapped span.
+    pub largest_free_span: u64,
+    /// Free mapped bytes.
+    pub free_bytes: u64,
+    /// Out-of-memory failures (accumulated).
+    pub num_ooms: u64,
+    /// Slow paths that blocked on outstanding frees before trying again (accumulated).
+    pub num_alloc_retries: u64,
+    /// Handle mappings made (`cuMemMap`; accumulated).
+    pub num_device_alloc: u64,
+    /// Mappings removed (`cuMemUnmap`; accumulated).
+    pub num_device_free: u64,
+    /// Bytes of blocks freed during a CUDA graph capture outside a graph pool, held.
+    pub graph_held_bytes: u64,
+}
+
+impl DeviceStats {
+    /// The figures of an allocator whose counters are `s` and report `d`.
+    pub fn new(s: &Stats, d: &DetailedStats, graph_held_bytes: u64) -> Self {
+        DeviceStats {
+            initialized: 1,
+            capacity: d.capacity,
             allocated_current: s.allocated.current,
             allocated_peak: s.allocated.peak,
             requested_current: s.requested.current,
@@ -174,11 +265,63 @@ impl TorchStats {
             segments_current: s.handles,
             segments_allocated: s.handles_created,
             segments_freed: s.handles_released,
-            inactive_split_current: d.stranded_bytes,
+            inactive_split_bytes_current: d.stranded_bytes,
+            pending_free_bytes: s.pending_free,
+            largest_free_span: d.largest_free_span,
+            free_bytes: d.free_bytes,
             num_ooms: s.ooms,
             num_alloc_retries: s.event_waits,
             num_device_alloc: s.calls.get(DriverOp::Map),
             num_device_free: s.calls.get(DriverOp::Unmap),
+            graph_held_bytes,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_stats_is_all_u64_and_matches_the_header() {
+        // The header declares 25 uint64_t fields in this order; a field added here must be
+        // appended there too (the size is the version).
+        assert_eq!(std::mem::size_of::<DeviceStats>(), 25 * 8);
+        let h = include_str!("../../include/stitch_alloc.h");
+        let start = h.find("struct stitch_device_stats {").unwrap();
+        let body = &h[start..start + h[start..].find("};").unwrap()];
+        let fields: Vec<&str> = body
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("uint64_t "))
+            .filter_map(|l| l.split(';').next())
+            .collect();
+        let want = [
+            "initialized",
+            "capacity",
+            "allocated_current",
+            "allocated_peak",
+            "requested_current",
+            "requested_peak",
+            "reserved_current",
+            "reserved_peak",
+            "active_current",
+            "allocations_current",
+            "allocations_peak",
+            "allocations_allocated",
+            "allocations_freed",
+            "segments_current",
+            "segments_allocated",
+            "segments_freed",
+            "inactive_split_bytes_current",
+            "pending_free_bytes",
+            "largest_free_span",
+            "free_bytes",
+            "num_ooms",
+            "num_alloc_retries",
+            "num_device_alloc",
+            "num_device_free",
+            "graph_held_bytes",
+        ];
+        assert_eq!(fields, want);
     }
 }

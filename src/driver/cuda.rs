@@ -71,6 +71,9 @@ static STREAM_SYMBOLS: SymbolGroup = SymbolGroup::new(&[
     "cuCtxSynchronize",
 ]);
 
+/// The capture mode of the calling thread ([`Driver::exchange_capture_mode`]).
+static CAPTURE_SYMBOLS: SymbolGroup = SymbolGroup::new(&["cuThreadExchangeStreamCaptureMode"]);
+
 /// Host copies ([`Driver::write`] and [`Driver::read`], used by tests).
 static COPY_SYMBOLS: SymbolGroup =
     SymbolGroup::new(&["cuMemcpyHtoD_v2", "cuMemcpyDtoH_v2", "cuCtxSynchronize"]);
@@ -1122,6 +1125,27 @@ impl Driver for CudaDriver {
             sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT => Ok(true),
             _ => check(op, "cuStreamIsCapturing", r).map(|_| false),
         }
+    }
+
+    fn exchange_capture_mode(&self, mode: super::CaptureMode) -> DriverResult<super::CaptureMode> {
+        use super::CaptureMode as M;
+        use sys::CUstreamCaptureMode as C;
+        let op = DriverOp::RecordEvent;
+        CAPTURE_SYMBOLS.require(op)?;
+        let mut m = match mode {
+            M::Global => C::CU_STREAM_CAPTURE_MODE_GLOBAL,
+            M::ThreadLocal => C::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            M::Relaxed => C::CU_STREAM_CAPTURE_MODE_RELAXED,
+        };
+        // SAFETY: valid in-out pointer; the call only swaps the calling thread's mode.
+        check(op, "cuThreadExchangeStreamCaptureMode", unsafe {
+            sys::cuThreadExchangeStreamCaptureMode(&mut m)
+        })?;
+        Ok(match m {
+            C::CU_STREAM_CAPTURE_MODE_GLOBAL => M::Global,
+            C::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL => M::ThreadLocal,
+            C::CU_STREAM_CAPTURE_MODE_RELAXED => M::Relaxed,
+        })
     }
 
     fn has_data(&self) -> bool {

@@ -152,7 +152,8 @@ impl From<MemInfo> for Done {
 /// A driver wrapper: forwards every [`Driver`] call to [`Forward::inner`], running the hooks
 /// around it. Implementing this trait gives the type [`Driver`].
 ///
-/// `name`, `granularity`, `stream_capturing`, `has_data` and `simulated_work` are forwarded
+/// `name`, `granularity`, `stream_capturing`, `exchange_capture_mode`, `has_data` and
+/// `simulated_work` are forwarded
 /// without hooks; every other call runs `before` (an error there is returned without calling
 /// the inner driver), then the inner call, then `after` with its outcome.
 pub trait Forward: Send + Sync {
@@ -288,6 +289,9 @@ impl<F: Forward> Driver for F {
     }
     fn stream_capturing(&self, stream: Stream) -> DriverResult<bool> {
         self.forward_stream_capturing(stream)
+    }
+    fn exchange_capture_mode(&self, mode: super::CaptureMode) -> DriverResult<super::CaptureMode> {
+        self.inner().exchange_capture_mode(mode)
     }
     fn has_data(&self) -> bool {
         self.inner().has_data()

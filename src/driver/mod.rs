@@ -179,6 +179,19 @@ pub struct MemInfo {
     pub total: u64,
 }
 
+/// A thread's CUDA stream capture mode (`CUstreamCaptureMode`): which calls a capture in
+/// progress forbids on this thread.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum CaptureMode {
+    /// Unsafe calls are forbidden while any thread's global-mode capture runs (CUDA's
+    /// default).
+    Global,
+    /// Forbidden while this thread captures.
+    ThreadLocal,
+    /// Nothing is forbidden (the caller keeps the calls safe).
+    Relaxed,
+}
+
 /// The kinds of driver call, used for error reports and call counting.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -429,6 +442,14 @@ pub trait Driver: Send + Sync {
     fn stream_capturing(&self, stream: Stream) -> DriverResult<bool> {
         let _ = stream;
         Ok(false)
+    }
+    /// Set the calling thread's stream capture mode (`cuThreadExchangeStreamCaptureMode`) and
+    /// return the one it replaces. Under [`CaptureMode::Relaxed`] the virtual memory calls
+    /// that a capture in global mode forbids may run while a stream captures; put the old
+    /// mode back afterwards. The CPU backends capture nothing: the default changes nothing
+    /// and returns `mode`.
+    fn exchange_capture_mode(&self, mode: CaptureMode) -> DriverResult<CaptureMode> {
+        Ok(mode)
     }
     /// Whether [`Driver::write`] and [`Driver::read`] work.
     fn has_data(&self) -> bool {

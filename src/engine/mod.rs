@@ -91,6 +91,13 @@ pub(crate) struct Engine {
     pub(crate) stats: Stats,
     /// Set by `teardown`; every entry point then fails with `ShutDown`.
     pub(crate) shut_down: bool,
+    /// The most `reserved` may be: the capacity, or what was reserved when the capacity was
+    /// lowered below it ([`Engine::set_capacity`]; nothing is created until reserved is
+    /// under the capacity again).
+    reserved_ceiling: u64,
+    /// Whether `set_capacity` was called (then an allocation is also checked against the
+    /// live bytes).
+    capacity_changed: bool,
 }
 
 impl Engine {
@@ -105,6 +112,8 @@ impl Engine {
             policy: Box::new(StitchPolicy),
             stats: Stats::default(),
             shut_down: false,
+            reserved_ceiling: 0,
+            capacity_changed: false,
         };
         let chunk = e.cfg.va_chunk;
         e.reserve_va(d, chunk)?;
@@ -209,6 +218,11 @@ impl Engine {
             });
         }
         let rsize = round_up(size, UNIT);
+        if self.capacity_changed && self.stats.allocated.current + rsize > self.cfg.capacity {
+            // After `set_capacity` lowered the capacity below what is held, a free block
+            // could fit; otherwise none can, and the slow path reports as it always has.
+            return Err(self.over_capacity(size, rsize));
+        }
         let pool = if size <= self.cfg.small_threshold {
             Pool::Small
         } else if size <= self.cfg.medium_threshold {
@@ -252,6 +266,7 @@ impl Engine {
         });
         let s = &mut self.stats;
         s.requested.add(requested);
+        s.requested_lifetime_peak = s.requested_lifetime_peak.max(s.requested.current);
         s.allocated.add(rsize);
         s.live_allocations.add(1);
         s.allocs += 1;
@@ -334,6 +349,135 @@ impl Engine {
             .find_exhaustive(rsize, pool, stream)
             .expect("growing made room");
         Ok(Step::Done(self.take(i, rsize, size, stream)))
+    }
+
+    /// Allocate `size` bytes from clean free memory or new memory only, for a stream that
+    /// may be capturing a CUDA graph: no event is recorded, queried or waited for on any
+    /// stream (no poll of the fences; blocks freed on `stream` and not yet fenced are not
+    /// used; a stitch moves clean or unmapped handles only, so it records no ghost event).
+    /// The block is live on `stream`; give it back with [`Engine::free_clean`].
+    pub(crate) fn alloc_clean<D: Driver + ?Sized>(
+        &mut self,
+        d: &D,
+        size: u64,
+        stream: Stream,
+    ) -> Result<u64> {
+        if self.shut_down {
+            return Err(AllocError::ShutDown);
+        }
+        if size == 0 {
+            return Err(AllocError::ZeroSize);
+        }
+        if size > self.cfg.capacity {
+            return Err(AllocError::TooLarge {
+                requested: size,
+                limit: self.cfg.capacity,
+            });
+        }
+        let rsize = round_up(size, UNIT);
+        if self.capacity_changed && self.stats.allocated.current + rsize > self.cfg.capacity {
+            // After `set_capacity` lowered the capacity below what is held, a free block
+            // could fit; otherwise none can, and the slow path reports as it always has.
+            return Err(self.over_capacity(size, rsize));
+        }
+        let pool = if size <= self.cfg.small_threshold {
+            Pool::Small
+        } else if size <= self.cfg.medium_threshold {
+            Pool::Medium
+        } else {
+            Pool::Large
+        };
+        if let Some(i) = self.arena.find_exhaustive(rsize, pool, None) {
+            self.stats.fast_allocs += 1;
+            return Ok(self.take(i, rsize, size, stream));
+        }
+        self.stats.slow_allocs += 1;
+        let ctx = PlanContext {
+            cfg: &self.cfg,
+            stats: &self.stats,
+            arena: &self.arena,
+            handles: &self.handles,
+            va: &self.va,
+            stream_owner: None,
+        };
+        let plan = self.policy.plan(&ctx, pool, rsize);
+        let grown = self.apply(d, plan)?;
+        let found = self.arena.find_exhaustive(rsize, pool, None);
+        match (grown, found) {
+            (Grow::Done, Some(i)) => Ok(self.take(i, rsize, size, stream)),
+            (grown, _) => {
+                self.stats.ooms += 1;
+                let report = self.oom_report(size, rsize, grown == Grow::DriverOom);
+                tracing::warn!(%report, "allocation for a graph pool failed: out of memory");
+                Err(AllocError::OutOfMemory(Box::new(report)))
+            }
+        }
+    }
+
+    /// The out-of-memory error of a request that would take the live bytes past the
+    /// capacity.
+    #[cold]
+    fn over_capacity(&mut self, size: u64, rsize: u64) -> AllocError {
+        self.stats.ooms += 1;
+        let report = self.oom_report(size, rsize, false);
+        tracing::warn!(%report, "allocation failed: over the (lowered) capacity");
+        AllocError::OutOfMemory(Box::new(report))
+    }
+
+    /// Free the allocation at `ptr` as clean: the caller guarantees that no work queued on
+    /// the device still uses it (a CUDA graph pool released after a device synchronisation),
+    /// so it is reusable by every stream at once and no event is recorded.
+    pub(crate) fn free_clean(&mut self, ptr: u64) -> Result<()> {
+        if self.shut_down {
+            return Err(AllocError::ShutDown);
+        }
+        let Some(&i) = self.arena.live.get(&ptr) else {
+            return Err(self.diagnose(ptr));
+        };
+        let State::Live { requested, .. } = self.arena.blocks[i as usize].state else {
+            unreachable!("live map points at a block that is not live")
+        };
+        let size = self.arena.blocks[i as usize].size;
+        self.arena.blocks[i as usize].state = State::Free {
+            owner: fences::OwnerId::CLEAN,
+            seq: 0,
+        };
+        self.arena.coalesce_insert(i);
+        self.arena.live.remove(&ptr);
+        self.fences.extra_streams.remove(&i);
+        let s = &mut self.stats;
+        s.requested.sub(requested);
+        s.allocated.sub(size);
+        s.live_allocations.sub(1);
+        s.frees += 1;
+        Ok(())
+    }
+
+    /// Change the capacity to `bytes` (rounded down to the granularity) at run time. A lower
+    /// one touches nothing already allocated: the engine creates no memory while it holds
+    /// more than the capacity, frees its free handles when a request needs room, and an
+    /// allocation beyond the new limit fails. Returns the capacity set.
+    pub(crate) fn set_capacity(&mut self, bytes: u64) -> Result<u64> {
+        if self.shut_down {
+            return Err(AllocError::ShutDown);
+        }
+        let g = self.cfg.granularity;
+        let cap = bytes / g * g;
+        if cap == 0 {
+            return Err(AllocError::Config(format!(
+                "capacity {bytes} is below one {g}-byte granule"
+            )));
+        }
+        if cap > crate::config::MAX_BYTES {
+            return Err(AllocError::Config(format!(
+                "capacity {cap} exceeds {} bytes (1 PiB)",
+                crate::config::MAX_BYTES
+            )));
+        }
+        self.reserved_ceiling = self.stats.reserved.current.max(cap);
+        self.cfg.capacity = cap;
+        self.capacity_changed = true;
+        Ok(cap)
     }
 
     /// Free the allocation at `ptr`, whose last use is on `stream`.
@@ -504,10 +648,10 @@ impl Engine {
                 return Err(format!("stats.{name} is {have}, the structures say {want}"));
             }
         }
-        if handles.reserved > self.cfg.capacity {
+        if handles.reserved > self.cfg.capacity.max(self.reserved_ceiling) {
             return Err(format!(
-                "reserved {} exceeds capacity {}",
-                handles.reserved, self.cfg.capacity
+                "reserved {} exceeds capacity {} (and {} reserved when it was lowered)",
+                handles.reserved, self.cfg.capacity, self.reserved_ceiling
             ));
         }
         Ok(())

@@ -97,7 +97,9 @@ pub(crate) struct PlanContext<'a> {
 impl PlanContext<'_> {
     /// Bytes that may still be created under the capacity.
     pub(crate) fn headroom(&self) -> u64 {
-        self.cfg.capacity - self.stats.reserved.current
+        self.cfg
+            .capacity
+            .saturating_sub(self.stats.reserved.current)
     }
 
     /// Whole free handles: inside clean free blocks, or unmapped; with `dirty`, also those
@@ -207,7 +209,9 @@ impl GrowthPolicy for StitchPolicy {
     fn may_create(&self, cfg: &Resolved, stats: &Stats, size: u64) -> bool {
         let need = round_up(size, cfg.granularity);
         let after = stats.reserved.current + need;
-        let live = stats.requested.peak.max(stats.requested.current + size);
+        let live = stats
+            .requested_lifetime_peak
+            .max(stats.requested.current + size);
         let slack = (live as f64 * cfg.reserve_slack) as u64;
         after <= cfg.capacity && after <= live + slack.max(cfg.reserve_slack_min)
     }

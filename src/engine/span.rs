@@ -26,7 +26,9 @@ struct Gathered {
 impl Engine {
     /// Bytes that may still be created under the capacity.
     pub(super) fn headroom(&self) -> u64 {
-        self.cfg.capacity - self.stats.reserved.current
+        self.cfg
+            .capacity
+            .saturating_sub(self.stats.reserved.current)
     }
 
     /// Apply `plan` (see [`Step`]).

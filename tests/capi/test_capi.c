@@ -240,8 +240,56 @@ static int run_main(void) {
     stitch_clear_error();
     stitch_free(e, 100 * MIB, 1, NULL);
     CHECK(error_empty(), "free on the right device");
+    /* Issue #12: a late memory fraction changes the capacity at once. */
+    struct stitch_device_stats ds;
+    CHECK(stitch_device_stats(1, &ds, sizeof ds) == (ptrdiff_t)sizeof ds, "typed stats size");
+    CHECK(ds.capacity == 128 * MIB, "device 1 has half of 256 MiB");
     stitch_memory_fraction(0.25, 1);
-    CHECK(error_has("already has its allocator"), "a late memory fraction is reported");
+    CHECK(error_empty(), "a late memory fraction is accepted");
+    CHECK(stitch_device_stats(1, &ds, sizeof ds) > 0 && ds.capacity == 64 * MIB,
+          "the capacity is lowered at once");
+    CHECK(stitch_get_memory_fraction(1) == 0.25, "get_memory_fraction");
+    CHECK(stitch_malloc(100 * MIB, 1, NULL) == NULL, "an allocation beyond it fails");
+    CHECK(stitch_set_memory_fraction(1, 1.0) == 0, "raised again");
+    CHECK(stitch_set_memory_fraction(1, 0.0) == -1 && error_has("(0, 1]"), "0 is refused");
+    stitch_clear_error();
+
+    /* Typed statistics follow the allocations; resets. */
+    void* t1 = stitch_malloc(3 * MIB, 1, NULL);
+    void* t2 = stitch_malloc(5 * MIB, 1, NULL);
+    CHECK(stitch_device_stats(1, &ds, sizeof ds) > 0, "typed stats");
+    CHECK(ds.initialized == 1 && ds.allocated_current == 8 * MIB &&
+              ds.requested_current == 8 * MIB && ds.allocations_current == 2 &&
+              ds.reserved_current >= 8 * MIB,
+          "typed stats: live bytes and counts");
+    stitch_free(t2, 0, 1, NULL);
+    CHECK(stitch_device_stats(1, &ds, sizeof ds) > 0 && ds.allocated_peak >= 8 * MIB &&
+              ds.allocated_current == 3 * MIB,
+          "typed stats: peak kept after a free");
+    CHECK(stitch_reset_peak_stats(1) == 0, "reset_peak_stats");
+    CHECK(stitch_device_stats(1, &ds, sizeof ds) > 0 && ds.allocated_peak == 3 * MIB,
+          "the peak restarts from the current value");
+    CHECK(stitch_reset_accumulated_stats(1) == 0, "reset_accumulated_stats");
+    CHECK(stitch_device_stats(1, &ds, sizeof ds) > 0 && ds.allocations_allocated == 0 &&
+              ds.allocations_freed == 0 && ds.allocations_current == 1,
+          "accumulated counters zeroed, gauges kept");
+    uint64_t first[2] = {7, 7};
+    CHECK(stitch_device_stats(1, (struct stitch_device_stats*)first, 8) > 0 && first[0] == 1 &&
+              first[1] == 7,
+          "a smaller (older) struct is filled only as far as it goes");
+    CHECK(stitch_device_stats(9, &ds, sizeof ds) == -1 && error_has("out of range"),
+          "typed stats of a bad device");
+    CHECK(stitch_device_stats(1, NULL, 0) == -1, "typed stats into NULL");
+    stitch_free(t1, 0, 1, NULL);
+
+    /* Graph-pool allocation (no capture on the host backend: the path is the same). */
+    stitch_clear_error();
+    void* g = stitch_malloc_graph(2 * MIB, 1, (void*)0x30);
+    CHECK(g != NULL, "malloc_graph");
+    memset(g, 0x5a, 2 * MIB);
+    CHECK(stitch_free_graph(g, 1) == 0, "free_graph");
+    CHECK(stitch_free_graph(g, 1) == -1 && error_has("double free"), "free_graph twice");
+    CHECK(stitch_malloc_graph(0, 1, NULL) == NULL, "malloc_graph of 0 bytes is NULL");
     stitch_clear_error();
     stitch_memory_fraction(1.5, 0);
     CHECK(error_has("(0, 1]"), "a fraction above 1 is reported");

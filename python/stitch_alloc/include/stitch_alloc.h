@@ -1,0 +1,1 @@
+../../../include/stitch_alloc.h
