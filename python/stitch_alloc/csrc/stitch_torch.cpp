@@ -44,7 +44,6 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <sstream>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
@@ -807,12 +806,23 @@ class StitchAllocator final : public CCA::CUDAAllocator {
     for (auto& o : observers) {
       o(device, static_cast<size_t>(s.allocated_current), total_b, free_b);
     }
-    std::ostringstream m;
-    m << "CUDA out of memory (stitch-alloc). Tried to allocate " << n << " bytes on device "
-      << int(device) << (pool_id != kNoPool ? " for a CUDA graph pool" : "") << ". "
-      << (why.empty() ? std::string("(no diagnosis from the library)") : why)
-      << ". Device memory: " << free_b << " bytes free of " << total_b << ".";
-    TORCH_CHECK_WITH(OutOfMemoryError, false, m.str());
+    // Plain string building: a std::ostringstream here crashed the process (SIGSEGV while
+    // formatting) in torch 2.11's JIT build on the H200 (design/gpu-results.md, run 20).
+    std::string m = "CUDA out of memory (stitch-alloc). Tried to allocate ";
+    m += std::to_string(n);
+    m += " bytes on device ";
+    m += std::to_string(int(device));
+    if (pool_id != kNoPool) {
+      m += " for a CUDA graph pool";
+    }
+    m += ". ";
+    m += why.empty() ? std::string("(no diagnosis from the library)") : why;
+    m += ". Device memory: ";
+    m += std::to_string(free_b);
+    m += " bytes free of ";
+    m += std::to_string(total_b);
+    m += ".";
+    TORCH_CHECK_WITH(OutOfMemoryError, false, m);
     std::abort();  // not reached: the check throws
   }
 
