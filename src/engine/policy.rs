@@ -7,6 +7,7 @@
 use super::arena::{round_up, Arena, Pool, State, NIL};
 use super::fences::OwnerId;
 use super::handles::Handles;
+use super::placement::shared_start;
 use super::va::VaSpace;
 use crate::config::Resolved;
 use crate::stats::Stats;
@@ -515,8 +516,21 @@ pub(crate) fn extension_target(ctx: &PlanContext<'_>, rsize: u64) -> Option<(u32
         if b.next != NIL || b.size >= rsize || small {
             continue;
         }
-        let ext = round_up(rsize - b.size, g);
         let end = b.addr + b.size;
+        // With contiguous growth an allocation starts at the tail's first handle boundary
+        // when the tail shares its first handle with a live block (`placement`).
+        let usable = if ctx.cfg.contiguous {
+            match shared_start(ctx.arena, ctx.handles, i) {
+                Some(nb) if super::placement::align(nb.saturating_sub(b.addr), rsize) => {
+                    end.saturating_sub(nb)
+                }
+                Some(_) => b.size,
+                None => b.size,
+            }
+        } else {
+            b.size
+        };
+        let ext = round_up(rsize - usable, g);
         if end % g != 0 || !ctx.va.is_free(end, ext) {
             continue;
         }
