@@ -278,6 +278,19 @@ impl StitchPolicy {
                 let taken: u64 = chosen.iter().map(|c| c.size).sum();
                 let create = shortfall(ext, taken, cfg.min_handle.min(headroom));
                 if ctx.va.is_free(block_end(b), taken + create) {
+                    // Re-created rather than remapped where that is cheaper (as below).
+                    if let Some(r) = recreate_steps(ctx, &chosen, ext, create, |kept, create| {
+                        (ctx.va.is_free(block_end(b), kept + create)).then_some(b)
+                    }) {
+                        let (release, keep, create, released, after) = r;
+                        steps.push(Step::Release(release));
+                        let mut s = build(keep, create, after);
+                        if let Step::Build(p) = &mut s {
+                            p.recreated = released;
+                        }
+                        steps.push(s);
+                        return steps;
+                    }
                     steps.push(build(chosen, create, Some(b)));
                     return steps;
                 }
@@ -294,26 +307,17 @@ impl StitchPolicy {
         };
         let taken: u64 = chosen.iter().map(|c| c.size).sum();
         let create = shortfall(need, taken, cfg.min_handle.min(headroom));
-        if cfg.recreate {
-            // Two or more clean handles to move: release them and create the span's memory
-            // anew (a release costs less than an unmap plus a SetAccess, and the span gets
-            // handles sized to this request). Dirty handles and those with ghosts still move.
-            let (release, keep): (Vec<Candidate>, Vec<Candidate>) = chosen
-                .iter()
-                .partition(|c| c.owner.is_clean() && ctx.handles.record(c.handle).ghosts == 0);
-            if release.len() >= 2 {
-                let kept: u64 = keep.iter().map(|c| c.size).sum();
-                let released = release.len() as u64;
-                let create = need.saturating_sub(kept).max(create);
-                let after = append_target(ctx, kept + create, &chosen);
-                steps.push(Step::Release(release));
-                let mut b = build(keep, create, after);
-                if let Step::Build(p) = &mut b {
-                    p.recreated = released;
-                }
-                steps.push(b);
-                return steps;
+        if let Some(r) = recreate_steps(ctx, &chosen, need, create, |kept, create| {
+            append_target(ctx, kept + create, &chosen)
+        }) {
+            let (release, keep, create, released, after) = r;
+            steps.push(Step::Release(release));
+            let mut b = build(keep, create, after);
+            if let Step::Build(p) = &mut b {
+                p.recreated = released;
             }
+            steps.push(b);
+            return steps;
         }
         let after = append_target(ctx, taken + create, &chosen);
         steps.push(build(chosen, create, after));
@@ -444,6 +448,36 @@ pub(crate) fn handle_size(cfg: &Resolved, bytes: u64) -> u64 {
     let units = (bytes / cfg.handle_divisor / g).max(1);
     let pow2 = 1u64 << (63 - units.leading_zeros());
     pow2.saturating_mul(g).clamp(cfg.split_min, cfg.max_handle)
+}
+
+/// A stitch by re-creation (`Config::recreate`): with two or more clean handles to move,
+/// release them and create the span's memory anew (a release costs less than an unmap plus
+/// a SetAccess, and the span gets handles sized to this request); dirty handles and those
+/// with ghosts still move. Returns the handles to release, those to keep, the bytes to
+/// create, how many are released and where to link the span (`after(kept, create)`), or
+/// `None` when nothing is re-created.
+#[allow(clippy::type_complexity)]
+fn recreate_steps(
+    ctx: &PlanContext<'_>,
+    chosen: &[Candidate],
+    need: u64,
+    create: u64,
+    after: impl FnOnce(u64, u64) -> Option<u32>,
+) -> Option<(Vec<Candidate>, Vec<Candidate>, u64, u64, Option<u32>)> {
+    if !ctx.cfg.recreate {
+        return None;
+    }
+    let (release, keep): (Vec<Candidate>, Vec<Candidate>) = chosen
+        .iter()
+        .partition(|c| c.owner.is_clean() && ctx.handles.record(c.handle).ghosts == 0);
+    if release.len() < 2 {
+        return None;
+    }
+    let kept: u64 = keep.iter().map(|c| c.size).sum();
+    let released = release.len() as u64;
+    let create = need.saturating_sub(kept).max(create);
+    let target = after(kept, create);
+    Some((release, keep, create, released, target))
 }
 
 /// Bytes to create when `taken` of `need` bytes come from free handles: none if covered,
