@@ -44,7 +44,7 @@
  *   handle_divisor:N            new memory in handles of about request / N (default 16)
  *   split_min:SIZE              the smallest such handle (default 4MiB)
  *   recreate:true|false         stitch clean handles by release and re-create (default true)
- *   contiguous:true|false       grow large spans at the end of a run, free tails coalescing (default false)
+ *   contiguous:true|false       grow large spans at the end of a run, free tails coalescing (default true)
  *   prealloc:SIZE               create and map a pool of SIZE at the first allocation
  *   medium_threshold:N, medium_page:N
  *                               pack requests up to N into shared pages (default off)

@@ -315,3 +315,38 @@ fn compare_models_match_pytorch_recorded_figures_on_zoo_snapshots() {
         "{out}"
     );
 }
+
+/// Contiguous growth is the default; `--no-contiguous` gives the old layout (runs apart),
+/// `--contiguous` only states the default, and the two together are refused.
+#[test]
+fn contiguous_growth_is_the_default_and_no_contiguous_turns_it_off() {
+    let f = data("zoo/resnet50-amp.pickle.gz");
+    let f = f.to_str().unwrap();
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "replay",
+            f,
+            "--json",
+            "--skip-stranded",
+            "--gpu-lag",
+            "1000",
+        ];
+        args.extend_from_slice(extra);
+        let o = stitch(&args);
+        assert!(o.status.success(), "{}", text(&o.stderr));
+        json_of(&o)["peak_reserved_bytes"].as_u64().unwrap()
+    };
+    let (default, on, off) = (run(&[]), run(&["--contiguous"]), run(&["--no-contiguous"]));
+    assert_eq!(default, on, "the default is contiguous growth");
+    assert!(
+        default < off,
+        "contiguous growth holds less here: {default} vs {off}"
+    );
+    let o = stitch(&["replay", f, "--contiguous", "--no-contiguous"]);
+    assert!(!o.status.success());
+    assert!(
+        text(&o.stderr).contains("cannot be used with"),
+        "{}",
+        text(&o.stderr)
+    );
+}

@@ -384,6 +384,7 @@ fn gpu_free_then_stitch_on_other_stream_waits_for_the_writer() {
         d,
         Config::default()
             .with_capacity(Capacity::Bytes(4 * BLOCK))
+            .with_contiguous(false)
             .with_paranoid(true),
     )
     .unwrap();
@@ -582,8 +583,11 @@ fn host_free_then_stitch_on_other_stream_waits_for_the_work() {
     let (st1, st2) = (Stream::sim(1), Stream::sim(2));
     let a = Allocator::new(
         HostDriver::with_capacity(4 * BLOCK).unwrap(),
+        // Runs apart: the layout below (x's handle first in the stitched span) is the one
+        // of separate spans; contiguous growth would link them and merge the freed blocks.
         Config::default()
             .with_capacity(Capacity::Bytes(4 * BLOCK))
+            .with_contiguous(false)
             .with_paranoid(true),
     )
     .unwrap();

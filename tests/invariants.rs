@@ -38,19 +38,26 @@ proptest! {
         h.run(&ops).map_err(TestCaseError::fail)?;
     }
 
-    /// Contiguous growth: large allocations only, one stream, hold exactly their sum
-    /// rounded up to the granularity once, as one growing segment would (no tail left
-    /// stranded beside a new span); every invariant still holds after each one.
+    /// Contiguous growth: large allocations only, one stream, hold their sum rounded up to
+    /// the granularity once, as one growing segment would (no tail left stranded beside a
+    /// new span), plus at most the pieces skipped by requests that start at a handle
+    /// boundary rather than inside their neighbour's last handle (each under a granule and
+    /// at most 1/50 of its request: placement.rs `ALIGN_RATIO`); every invariant still
+    /// holds after each one.
     #[test]
     fn contiguous_growth_strands_no_tail(sizes in prop::collection::vec(MIB + 1..48 * MIB, 1..40)) {
         let cfg = Config::default().with_contiguous(true);
         let mut h = Harness::new(SimDriver::with_capacity(4 * GIB), cfg).unwrap();
         let g = h.alloc.granularity();
-        let mut sum = 0;
+        let (mut sum, mut skipped) = (0, 0);
         for size in sizes {
             h.apply(stitch_alloc::testing::Op::Alloc { size, stream: 0 }).map_err(TestCaseError::fail)?;
-            sum += size.div_ceil(512) * 512;
-            prop_assert_eq!(h.alloc.stats().reserved.current, sum.div_ceil(g) * g);
+            let rsize = size.div_ceil(512) * 512;
+            sum += rsize;
+            skipped += (rsize / 50).min(g - 512);
+            let reserved = h.alloc.stats().reserved.current;
+            prop_assert!(reserved >= sum.div_ceil(g) * g);
+            prop_assert!(reserved <= (sum + skipped).div_ceil(g) * g, "{} > {} + {}", reserved, sum, skipped);
         }
         h.finish().map_err(TestCaseError::fail)?;
     }

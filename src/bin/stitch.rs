@@ -148,9 +148,14 @@ struct AllocArgs {
     #[arg(long)]
     no_recreate: bool,
     /// Contiguous growth: map each new large span after the end of a run and link it in,
-    /// so free tails coalesce with new memory (Config::contiguous on).
-    #[arg(long)]
+    /// so free tails coalesce with new memory (Config::contiguous; the default, so this
+    /// flag only states it).
+    #[arg(long, conflicts_with = "no_contiguous")]
     contiguous: bool,
+    /// Place each new large span alone in fresh address space instead (Config::contiguous
+    /// off; the default until contiguous growth became one).
+    #[arg(long)]
+    no_contiguous: bool,
     #[arg(long, help = config_help(
         "Growth slack: create new memory while reserved stays within (1 + slack) x peak live, \
          reuse (stitch) free handles past it",
@@ -185,7 +190,7 @@ impl AllocArgs {
             c.split_min = v;
         }
         c.recreate = !self.no_recreate;
-        c.contiguous = self.contiguous;
+        c.contiguous = self.contiguous || (c.contiguous && !self.no_contiguous);
         if let Some(v) = self.reserve_slack {
             c.reserve_slack = v;
         }
@@ -941,6 +946,7 @@ fn demo_run(t: &Trace, stitching: bool, backend: Backend) -> Result<ReplayReport
         split_min: None,
         no_recreate: false,
         contiguous: false,
+        no_contiguous: false,
         reserve_slack: None,
         reserve_slack_min: None,
         paranoid: false,

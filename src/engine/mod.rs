@@ -257,10 +257,17 @@ impl Engine {
         // With contiguous growth the allocation takes the block's start, so what is left
         // stays one block with the free memory after it; a piece left in front would be a
         // hole only smaller requests fill (design/zoo.md: zoo geomean 1.0304 -> 1.0235).
+        // It starts at a handle boundary, though, when the block's start shares a handle
+        // with a live neighbour (`placement::contiguous_offset`).
         let place = !self.cfg.contiguous;
+        let aligned = if place || self.arena.blocks[i as usize].pool != Pool::Large {
+            0
+        } else {
+            placement::contiguous_offset(&self.arena, handles, i, rsize)
+        };
         let addr = self.arena.take(i, rsize, requested, stream, |a, size| {
             if !place {
-                return 0;
+                return aligned;
             }
             placement::best_offset(a, size, rsize, handles.spans_from(a, a + size))
         });
