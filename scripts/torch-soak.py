@@ -102,7 +102,10 @@ def main():
                         torch.cuda.current_stream().wait_stream(torch.cuda.default_stream())
                         try:
                             g = torch.cuda.CUDAGraph()
-                            with torch.cuda.graph(g, stream=s):
+                            # thread_local: the other threads' synchronising calls must
+                            # not invalidate this capture (the default, global, mode forbids
+                            # them process-wide while any capture runs).
+                            with torch.cuda.graph(g, stream=s, capture_error_mode="thread_local"):
                                 t = x * 3
                                 out = t + 1
                                 del t
