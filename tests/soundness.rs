@@ -410,3 +410,66 @@ fn a_fast_path_goes_on_while_a_slow_path_waits_for_the_device() {
     a.validate().unwrap();
     sim.complete_all();
 }
+
+/// A simulator on which the test marks one stream as capturing a CUDA graph, counting the
+/// events recorded on that stream meanwhile.
+struct Capturing {
+    sim: Arc<SimDriver>,
+    /// Raw value of the capturing stream (`u64::MAX`: none).
+    stream: AtomicU64,
+    /// Events recorded on it while it was capturing.
+    recorded_while_capturing: AtomicU64,
+}
+
+impl Forward for Capturing {
+    type Inner = SimDriver;
+    fn inner(&self) -> &SimDriver {
+        &self.sim
+    }
+    fn before(&self, call: &Call) -> DriverResult<()> {
+        if let Call::RecordEvent { stream } = call {
+            if stream.raw() == self.stream.load(Ordering::SeqCst) {
+                self.recorded_while_capturing.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        Ok(())
+    }
+    fn forward_stream_capturing(&self, stream: Stream) -> DriverResult<bool> {
+        Ok(stream.raw() == self.stream.load(Ordering::SeqCst))
+    }
+}
+
+/// Found by the torch soak on the H200 (design/gpu-results.md, run 20): a slow path on one
+/// thread fenced every dirty stream, including one that another thread was capturing a CUDA
+/// graph on; the event record invalidated that capture. Now a capturing stream is fenced once
+/// its capture has ended, and its frees stay its own until then.
+#[test]
+fn no_event_is_recorded_on_a_stream_that_is_capturing() {
+    let sim = Arc::new(SimDriver::with_capacity(GIB));
+    let c = Arc::new(Capturing {
+        sim: sim.clone(),
+        stream: AtomicU64::new(u64::MAX),
+        recorded_while_capturing: AtomicU64::new(0),
+    });
+    let cfg = Config::default().with_capacity(Capacity::Bytes(256 * MIB));
+    let a = Allocator::new(c.clone(), cfg).unwrap();
+    let (s1, s2) = (Stream::sim(1), Stream::sim(2));
+    let p = a.alloc(100 * MIB, s1).unwrap();
+    sim.launch(s1, p.0, 100 * MIB);
+    a.free(p, s1).unwrap(); // dirty on s1
+    c.stream.store(s1.raw(), Ordering::SeqCst); // s1 starts capturing
+                                                // Slow paths on s2: the first creates memory, the last finds no room.
+    let q = a.alloc(150 * MIB, s2).unwrap();
+    assert!(
+        a.alloc(90 * MIB, s2).is_err(),
+        "s1's frees are not usable by s2 yet"
+    );
+    assert_eq!(c.recorded_while_capturing.load(Ordering::SeqCst), 0);
+    // The capture ends: the next slow path fences s1, and its memory serves s2.
+    c.stream.store(u64::MAX, Ordering::SeqCst);
+    let r = a.alloc(90 * MIB, s2).unwrap();
+    a.free(q, s2).unwrap();
+    a.free(r, s2).unwrap();
+    a.validate().unwrap();
+    sim.complete_all();
+}

@@ -290,6 +290,13 @@ impl Fences {
     }
 }
 
+/// Whether `stream` is capturing a CUDA graph now: nothing may be recorded on it (an
+/// event record would be captured into the graph, or invalidate the capture). A query that
+/// fails counts as not capturing (the record that follows reports the stream's trouble).
+pub(super) fn capturing<D: Driver + ?Sized>(d: &D, stream: Stream) -> bool {
+    matches!(d.stream_capturing(stream), Ok(true))
+}
+
 impl Engine {
     /// The owner for frees on `stream`: its own, else (once the table holds `KEEP_OWNERS`
     /// slots) a reusable one, else a new one (with its free lists).
@@ -448,6 +455,11 @@ impl Engine {
                     return Ok(());
                 }
                 let s = self.fences.owner(k).stream;
+                if capturing(d, s) {
+                    // An event recorded now would become part of the graph being captured
+                    // (or invalidate the capture): fence the stream once its capture ends.
+                    return Ok(());
+                }
                 let e = match self.driver_call(DriverOp::RecordEvent, || d.record_event(s)) {
                     Ok(e) => e,
                     Err(err) => {
@@ -519,6 +531,10 @@ impl Engine {
         let mut i = 0;
         while i < self.fences.pending[j].unfenced.len() {
             let s = self.fences.pending[j].unfenced[i];
+            if capturing(d, s) {
+                i += 1; // fenced once its capture ends (see `poll_owner`)
+                continue;
+            }
             match self.driver_call(DriverOp::RecordEvent, || d.record_event(s)) {
                 Ok(e) => {
                     let p = &mut self.fences.pending[j];

@@ -528,6 +528,10 @@ impl Engine {
             let mut events = Vec::with_capacity(streams.len());
             let mut unfenced = Vec::new();
             for s in streams {
+                if fences::capturing(d, s) {
+                    unfenced.push(s); // fenced on a slow path once its capture ends
+                    continue;
+                }
                 match self.driver_call(DriverOp::RecordEvent, || d.record_event(s)) {
                     Ok(e) => events.push(e),
                     Err(err) => {
