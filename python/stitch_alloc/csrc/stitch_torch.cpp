@@ -13,7 +13,7 @@
 // * CUDA graph private pools: blocks of a pool come from stitch_malloc_graph (allowed on a
 //   capturing stream, no event on any stream), stay in the pool when freed (reused only by
 //   later allocations to the same pool, best fit by size) and go back to the library only
-//   when the pool's use count drops to 0 (releasePool), after a device synchronisation;
+//   when the pool's use count drops to 0 (releasePool), each freed on its own stream;
 // * memory history (trace entries alloc / free_requested / free_completed / oom, with the
 //   context recorder's stacks) and the snapshot, in which each allocation (live, or cached
 //   in a graph pool) is one segment of one block;
@@ -124,6 +124,14 @@ Lib lib;
 
 void deleter(void* ptr);
 
+// A graph-pool block leaving its released pool.
+struct Released {
+  void* ptr;
+  DeviceIndex device;
+  size_t size;
+  cudaStream_t stream;
+};
+
 struct MempoolHash {
   size_t operator()(const MempoolId_t& p) const {
     return std::hash<uint64_t>()(p.first) ^ (std::hash<uint64_t>()(p.second) << 1);
@@ -190,7 +198,7 @@ class StitchAllocator final : public CCA::CUDAAllocator {
   bool initialized() override { return initialized_.load(); }
 
   void emptyCache(MempoolId_t mempool_id) override {
-    std::vector<std::pair<void*, DeviceIndex>> todo;
+    std::vector<Released> todo;
     {
       std::lock_guard<std::mutex> g(mu_);
       collect_releasable(todo);
@@ -478,7 +486,7 @@ class StitchAllocator final : public CCA::CUDAAllocator {
   }
 
   void releasePool(DeviceIndex device, MempoolId_t mempool_id) override {
-    std::vector<std::pair<void*, DeviceIndex>> todo;
+    std::vector<Released> todo;
     {
       std::lock_guard<std::mutex> g(mu_);
       auto it = pools_.find(mempool_id);
@@ -884,14 +892,8 @@ class StitchAllocator final : public CCA::CUDAAllocator {
   }
 
   // Caller holds mu_. The cached blocks of every released pool (use count 0), taken out of
-  // their pools, plus the blocks deferred earlier; nothing while a capture is under way
-  // (the device cannot be synchronised then), in which case they stay for a later call.
-  void collect_releasable(std::vector<std::pair<void*, DeviceIndex>>& out) {
-    if (!captures_.empty()) {
-      return;
-    }
-    out.insert(out.end(), deferred_.begin(), deferred_.end());
-    deferred_.clear();
+  // their pools.
+  void collect_releasable(std::vector<Released>& out) {
     for (auto it = pools_.begin(); it != pools_.end();) {
       Pool& p = it->second;
       if (p.use_count > 0) {
@@ -899,8 +901,11 @@ class StitchAllocator final : public CCA::CUDAAllocator {
         continue;
       }
       for (auto& fb : p.free_blocks) {
-        out.emplace_back(fb.second, p.device);
-        p.blocks.erase(fb.second);
+        auto b = p.blocks.find(fb.second);
+        if (b != p.blocks.end()) {
+          out.push_back(Released{fb.second, p.device, b->second.size, b->second.stream});
+          p.blocks.erase(b);
+        }
       }
       p.free_blocks.clear();
       p.cached_bytes = 0;
@@ -912,33 +917,18 @@ class StitchAllocator final : public CCA::CUDAAllocator {
     }
   }
 
-  // Give released pool blocks back to the library as clean memory, after synchronising
-  // their devices (a replay of a graph that used them may still run).
-  void free_pool_blocks(const std::vector<std::pair<void*, DeviceIndex>>& blocks) {
-    if (blocks.empty()) {
-      return;
-    }
-    std::unordered_set<DeviceIndex> devices;
+  // Give released pool blocks back to the library, each freed on the stream it was
+  // allocated on (stream-ordered, as torch's own allocator does when a graph's pool is
+  // released: work queued later on that stream may reuse it at once, other streams once
+  // that stream's work so far has completed). No device-wide synchronisation: it would
+  // invalidate a CUDA graph another thread is capturing (seen in the soak, run 20).
+  void free_pool_blocks(const std::vector<Released>& blocks) {
     for (auto& b : blocks) {
-      devices.insert(b.second);
-    }
-    // Called from graph destructors too: never throws. A device that cannot be synchronised
-    // keeps the blocks for a later releasePool or emptyCache.
-    for (DeviceIndex d : devices) {
-      c10::cuda::CUDAGuard guard(d);
-      cudaError_t e = cudaDeviceSynchronize();
-      if (e != cudaSuccess) {
-        (void)cudaGetLastError();
-        TORCH_WARN("stitch-alloc: cannot synchronise device ", int(d), " to release graph pool "
-                   "memory (", cudaGetErrorString(e), "); it is released later");
-        std::lock_guard<std::mutex> g(mu_);
-        deferred_.insert(deferred_.end(), blocks.begin(), blocks.end());
-        return;
-      }
-    }
-    for (auto& b : blocks) {
-      if (lib.free_graph(b.first, b.second) != 0) {
-        TORCH_WARN("stitch-alloc: releasing a graph pool block: ", lib.error());
+      lib.clear_error();
+      lib.free(b.ptr, b.size, b.device, b.stream);
+      std::string e = lib.error();
+      if (!e.empty()) {
+        TORCH_WARN("stitch-alloc: releasing a graph pool block: ", e);
       }
     }
   }
@@ -951,7 +941,6 @@ class StitchAllocator final : public CCA::CUDAAllocator {
   std::unordered_map<void*, Alloc> allocs_;
   std::unordered_map<MempoolId_t, Pool, MempoolHash> pools_;
   std::vector<Capture> captures_;
-  std::vector<std::pair<void*, DeviceIndex>> deferred_;  // released, not yet given back
   int64_t pool_reuses_[kMaxDevices] = {};
   int64_t pool_frees_[kMaxDevices] = {};
   std::vector<CCA::OutOfMemoryObserver> oom_observers_;
