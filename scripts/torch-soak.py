@@ -44,6 +44,12 @@ def main():
     total = torch.cuda.get_device_properties(0).total_memory
     stop = threading.Event()
     results = [None] * args.threads
+    # torch's CUDAGraph methods and torch.cuda.synchronize() synchronise the whole device,
+    # which invalidates a capture running on another thread (whatever the allocator: run
+    # 22's memcheck log shows c10::cuda::device_synchronize inside CUDAGraph calls). Graph
+    # work and device-wide synchronisations therefore take this lock; everything else runs
+    # concurrently.
+    device_sync = threading.Lock()
 
     def worker(i):
         rng = random.Random(args.seed * 1000 + i)
@@ -95,11 +101,12 @@ def main():
                         r["errors"].append("an impossible allocation succeeded")
                     except (torch.cuda.OutOfMemoryError, RuntimeError):
                         r["ooms"] += 1
-                elif op < 0.86:  # a CUDA graph
+                elif op < 0.86:  # a CUDA graph (one thread at a time, see device_sync)
                     s = rng.choice(own)
                     x = torch.full((1 << 16,), 2.0, device=dev)
                     with torch.cuda.stream(s):
                         torch.cuda.current_stream().wait_stream(torch.cuda.default_stream())
+                        device_sync.acquire()
                         try:
                             g = torch.cuda.CUDAGraph()
                             # thread_local: the other threads' synchronising calls must
@@ -121,12 +128,15 @@ def main():
                                 r["graph_refusals"] += 1
                             else:
                                 raise
+                        finally:
+                            device_sync.release()
                 else:  # a new torch stream now and then (torch pools them)
                     own[rng.randrange(2)] = torch.cuda.Stream(device=dev)
         except Exception:  # noqa: BLE001
             r["errors"].append(traceback.format_exc(limit=3))
         keep.clear()
-        torch.cuda.synchronize()
+        with device_sync:
+            torch.cuda.synchronize()
         results[i] = r
 
     def emptier():
