@@ -167,9 +167,10 @@ impl Meter {
     /// ```
     /// use stitch_alloc::driver::{Driver, SimDriver, Timed};
     /// let d = Timed::new(SimDriver::with_capacity(1 << 30));
-    /// d.meter().scoped(|| d.reserve(1 << 21).unwrap());
+    /// let va = d.meter().scoped(|| d.reserve(1 << 21).unwrap());
     /// d.meter().scoped(|| ()); // no driver call: not counted
     /// assert_eq!(d.meter().request_times().count, 1);
+    /// d.free_reservation(va, 1 << 21).unwrap();
     /// ```
     pub fn scoped<T>(&self, f: impl FnOnce() -> T) -> T {
         let (calls0, ns0) = THREAD_NS.with(|c| c.get());
