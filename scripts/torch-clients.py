@@ -504,6 +504,12 @@ def _mem(r):
     return f"{pr / 2**20:.0f}/{pq / 2**20:.0f} MiB {pr / pq:.3f}"
 
 
+def save(path, meta, rows):
+    if path:
+        with open(path, "w") as f:
+            json.dump({**meta, "rows": rows}, f, indent=1)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lib", default=None, help="libstitch_alloc.so (default: stitch_alloc.find_library)")
@@ -536,6 +542,19 @@ def main():
     print(f"extension build: {'ok' if built else 'FAILED (stitch runs use the fallback)'} in "
           f"{time.time() - t0:.0f} s" + ("" if built else "\n" + (build.stderr or build.stdout)[-3000:]),
           flush=True)
+    meta = {"lib": lib, "extension_built": built, "build_log": build.stderr[-4000:]}
+    try:
+        import torch  # noqa: PLC0415
+
+        meta["torch"] = torch.__version__  # no CUDA in the parent: the children have the GPU
+        meta["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                                     capture_output=True, text=True).stdout.strip()
+    except Exception:  # noqa: BLE001 (the results are still useful without it)
+        pass
+    bundle = os.path.join(REPO, ".gpu", "COMMIT")
+    if os.path.isfile(bundle):
+        with open(bundle) as f:
+            meta["commit"] = f.read().strip()
     rows = []
     t_all = time.time()
     for name in cases:
@@ -559,6 +578,7 @@ def main():
                   f"{r['detail'][:200]}", flush=True)
         if nondet:
             print(f"   nondeterministic ops flagged by torch: {nondet}", flush=True)
+        save(a.out, meta, rows)  # after every case: a run cut short keeps what it has
     w = max(len(r["case"]) for r in rows)
     print(f"\n{'case':<{w}} | kind   | {'verdict':<52} | {'default peak res/req':<24} | "
           f"{'stitch peak res/req':<24} | wall d/s | mode")
@@ -569,20 +589,7 @@ def main():
     passed = sum(r["verdict"].startswith("PASS") for r in rows)
     print(f"{passed} of {len(rows)} clients give the default's results under stitch-alloc "
           f"({time.time() - t_all:.0f} s)", flush=True)
-    if a.out:
-        meta = {"lib": lib, "extension_built": built, "build_log": build.stderr[-4000:]}
-        try:
-            import torch  # noqa: PLC0415
-
-            meta.update({"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0)})
-        except Exception:  # noqa: BLE001 (the results are still useful without it)
-            pass
-        bundle = os.path.join(REPO, ".gpu", "COMMIT")
-        if os.path.isfile(bundle):
-            with open(bundle) as f:
-                meta["commit"] = f.read().strip()
-        with open(a.out, "w") as f:
-            json.dump({**meta, "rows": rows}, f, indent=1)
+    save(a.out, meta, rows)
     return 0 if passed == len(rows) else 1
 
 
