@@ -15,6 +15,10 @@
 #   bash scripts/gpu-session.sh dropin [args] # scripts/torch-dropin.py: torch's memory API,
 #                                        # OOM, cuDNN, torch.compile, graphs, history, IPC
 #                                        # under default and stitch-alloc, one line per case
+#   bash scripts/gpu-session.sh clients [args] # scripts/torch-clients.py: real clients unchanged
+#                                        # (timm, Lightning, transformers generate/Trainer, peft,
+#                                        # torch.compile) under default and stitch-alloc, results
+#                                        # compared, memory side by side
 # Logs and results go to $OUT (or ./gpu-logs), packed into one tarball plus a summary.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -114,8 +118,13 @@ dropin)
         timeout "${DROPIN_TIMEOUT:-580}" python3 scripts/torch-dropin.py --out "$out/torch-dropin.json" \
         "${@:2}" 2>&1 | tee "$out/torch-dropin.txt" | tail -40
     ;;
+clients)
+    STITCH_ALLOC_LIB=$(pwd)/.gpu/libstitch_alloc.so PYTHONUNBUFFERED=1 \
+        timeout "${CLIENTS_TIMEOUT:-580}" python3 scripts/torch-clients.py --out "$out/torch-clients.json" \
+        "${@:2}" 2>&1 | tee "$out/torch-clients.txt" | tail -60
+    ;;
 *)
-    echo "usage: $0 build|suite|torch|zoo|soak|wait|dropin" >&2
+    echo "usage: $0 build|suite|torch|zoo|soak|wait|dropin|clients" >&2
     exit 2
     ;;
 esac
