@@ -194,17 +194,9 @@ impl Engine {
         }
     }
 
-    /// One try at allocating `size` bytes for use on `stream`: the address, or an event to
-    /// wait for (lent by [`Engine::wait_target`]; give it back with [`Engine::waited`])
-    /// before trying again with `rounds` one higher. After [`MAX_WAIT_ROUNDS`] such waits
-    /// the slow path waits for everything in flight itself, so a caller's loop ends.
-    pub(crate) fn alloc_step<D: Driver + ?Sized>(
-        &mut self,
-        d: &D,
-        size: u64,
-        stream: Stream,
-        rounds: u32,
-    ) -> Result<Step> {
+    /// The checks every allocation makes before looking for memory, and its rounded size
+    /// and pool.
+    fn admit(&mut self, size: u64) -> Result<(u64, Pool)> {
         if self.shut_down {
             return Err(AllocError::ShutDown);
         }
@@ -230,6 +222,21 @@ impl Engine {
         } else {
             Pool::Large
         };
+        Ok((rsize, pool))
+    }
+
+    /// One try at allocating `size` bytes for use on `stream`: the address, or an event to
+    /// wait for (lent by [`Engine::wait_target`]; give it back with [`Engine::waited`])
+    /// before trying again with `rounds` one higher. After [`MAX_WAIT_ROUNDS`] such waits
+    /// the slow path waits for everything in flight itself, so a caller's loop ends.
+    pub(crate) fn alloc_step<D: Driver + ?Sized>(
+        &mut self,
+        d: &D,
+        size: u64,
+        stream: Stream,
+        rounds: u32,
+    ) -> Result<Step> {
+        let (rsize, pool) = self.admit(size)?;
         let own = if self.fences.has_streams() {
             self.fences.owner_index(stream)
         } else {
@@ -369,31 +376,7 @@ impl Engine {
         size: u64,
         stream: Stream,
     ) -> Result<u64> {
-        if self.shut_down {
-            return Err(AllocError::ShutDown);
-        }
-        if size == 0 {
-            return Err(AllocError::ZeroSize);
-        }
-        if size > self.cfg.capacity {
-            return Err(AllocError::TooLarge {
-                requested: size,
-                limit: self.cfg.capacity,
-            });
-        }
-        let rsize = round_up(size, UNIT);
-        if self.capacity_changed && self.stats.allocated.current + rsize > self.cfg.capacity {
-            // After `set_capacity` lowered the capacity below what is held, a free block
-            // could fit; otherwise none can, and the slow path reports as it always has.
-            return Err(self.over_capacity(size, rsize));
-        }
-        let pool = if size <= self.cfg.small_threshold {
-            Pool::Small
-        } else if size <= self.cfg.medium_threshold {
-            Pool::Medium
-        } else {
-            Pool::Large
-        };
+        let (rsize, pool) = self.admit(size)?;
         if let Some(i) = self.arena.find_exhaustive(rsize, pool, None) {
             self.stats.fast_allocs += 1;
             return Ok(self.take(i, rsize, size, stream));
