@@ -433,6 +433,13 @@ impl Engine {
             seq: 0,
         };
         self.arena.coalesce_insert(i);
+        self.forget_live(ptr, i, requested, size);
+        Ok(())
+    }
+
+    /// The bookkeeping every free ends with: live block `i` at `ptr` (`requested` bytes asked
+    /// for, `size` held) leaves the live map, its extra streams and the live statistics.
+    fn forget_live(&mut self, ptr: u64, i: u32, requested: u64, size: u64) {
         self.arena.live.remove(&ptr);
         self.fences.extra_streams.remove(&i);
         let s = &mut self.stats;
@@ -440,7 +447,6 @@ impl Engine {
         s.allocated.sub(size);
         s.live_allocations.sub(1);
         s.frees += 1;
-        Ok(())
     }
 
     /// Change the capacity to `bytes` (rounded down to the granularity) at run time. A lower
@@ -532,13 +538,7 @@ impl Engine {
             });
             self.stats.pending_free += size;
         }
-        self.arena.live.remove(&ptr);
-        self.fences.extra_streams.remove(&i);
-        let s = &mut self.stats;
-        s.requested.sub(requested);
-        s.allocated.sub(size);
-        s.live_allocations.sub(1);
-        s.frees += 1;
+        self.forget_live(ptr, i, requested, size);
         Ok(())
     }
 
