@@ -49,6 +49,9 @@ import tempfile
 import textwrap
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from torchcases import prebuild_extension  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 PYDIR = os.path.join(REPO, "python")
@@ -532,17 +535,8 @@ def main():
 
     lib = stitch_alloc.find_library(a.lib)
     # Build the extension once first (cached by torch), so that no case's timeout includes it.
-    t0 = time.time()
-    build = subprocess.run(
-        [sys.executable, "-c",
-         f"import sys; sys.path.insert(0, {PYDIR!r}); import torch, stitch_alloc; "
-         "stitch_alloc.build_extension(verbose=True); print('BUILT')"],
-        capture_output=True, text=True, timeout=420)
-    built = "BUILT" in build.stdout
-    print(f"extension build: {'ok' if built else 'FAILED (stitch runs use the fallback)'} in "
-          f"{time.time() - t0:.0f} s" + ("" if built else "\n" + (build.stderr or build.stdout)[-3000:]),
-          flush=True)
-    meta = {"lib": lib, "extension_built": built, "build_log": build.stderr[-4000:]}
+    built, build_log = prebuild_extension(PYDIR, 420, "stitch runs use the fallback")
+    meta = {"lib": lib, "extension_built": built, "build_log": build_log}
     try:
         import torch  # noqa: PLC0415
 

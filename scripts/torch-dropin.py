@@ -26,6 +26,9 @@ import tempfile
 import textwrap
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from torchcases import prebuild_extension  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 PYDIR = os.path.join(REPO, "python")
@@ -237,17 +240,8 @@ def main():
     import stitch_alloc  # noqa: PLC0415
 
     lib = stitch_alloc.find_library(a.lib)
-    # Build the extension once first (a minute or so when not cached), so that no case's
-    # timeout includes the build.
-    t0 = time.time()
-    build = subprocess.run(
-        [sys.executable, "-c",
-         f"import sys; sys.path.insert(0, {PYDIR!r}); import torch, stitch_alloc; "
-         "stitch_alloc.build_extension(verbose=True); print('BUILT')"],
-        capture_output=True, text=True, timeout=max(a.timeout, 420))
-    built = "BUILT" in build.stdout
-    print(f"extension build: {'ok' if built else 'FAILED'} in {time.time() - t0:.0f} s"
-          + ("" if built else "\n" + (build.stderr or build.stdout)[-3000:]), flush=True)
+    # Build the extension once first, so that no case's timeout includes the build.
+    built, build_log = prebuild_extension(PYDIR, max(a.timeout, 420))
     rows = []
     cases = [c for c in a.cases.split(",") if c]
     w = max(len(c) for c in cases)
@@ -269,7 +263,7 @@ def main():
     print(f"{passed} of {len(rows)} cases pass under stitch-alloc", flush=True)
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"lib": lib, "extension_built": built, "build_log": build.stderr[-4000:],
+            json.dump({"lib": lib, "extension_built": built, "build_log": build_log,
                        "rows": rows}, f, indent=1)
     return 0 if passed == len(rows) else 1
 

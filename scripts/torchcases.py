@@ -1,0 +1,26 @@
+"""What scripts/torch-dropin.py and scripts/torch-clients.py share: building the C++
+extension once, in a child process, before their cases run (so that no case's timeout
+includes the build and the parent never initialises CUDA)."""
+import subprocess
+import sys
+import time
+
+
+def prebuild_extension(pydir, timeout, fallback_note=""):
+    """Build (or load from torch's cache) stitch_alloc's extension in a child Python.
+    Prints one line saying how it went; returns (built, build_log)."""
+    t0 = time.time()
+    try:
+        build = subprocess.run(
+            [sys.executable, "-c",
+             f"import sys; sys.path.insert(0, {pydir!r}); import torch, stitch_alloc; "
+             "stitch_alloc.build_extension(verbose=True); print('BUILT')"],
+            capture_output=True, text=True, timeout=timeout)
+        out, err = build.stdout, build.stderr
+    except subprocess.TimeoutExpired:
+        out, err = "", f"the build took more than {timeout} s"
+    built = "BUILT" in out
+    state = "ok" if built else "FAILED" + (f" ({fallback_note})" if fallback_note else "")
+    print(f"extension build: {state} in {time.time() - t0:.0f} s"
+          + ("" if built else "\n" + (err or out)[-3000:]), flush=True)
+    return built, err[-4000:]
