@@ -86,9 +86,10 @@
  * CUDA graphs: private pools are kept by the caller (the torch extension in python/) over
  * stitch_malloc_graph / stitch_free_graph, which are allowed on a capturing stream.
  * stitch_malloc on a stream that is capturing returns NULL ("CUDA graph capture is not
- * supported by stitch-alloc yet"); stitch_free on one keeps the block out of the pool
- * until the process ends (the graph may use it on replay), counted as "graph_held_bytes"
- * in the statistics.
+ * supported by stitch_malloc"); stitch_free on one keeps the block allocated until the
+ * capture has ended (no event can be recorded on a capturing stream), counted as
+ * "graph_held_bytes" in the statistics; the next call on the device, or
+ * stitch_retire_stream of that stream, then frees it on its stream.
  *
  * Note for PyTorch users of the fallback (the extension raises torch.cuda.OutOfMemoryError
  * with the stitch_last_error diagnosis): torch 2.11's CUDAPluggableAllocator::allocate does not check the

@@ -15,6 +15,7 @@ an unexpected error, every check passed and nothing leaked.
 """
 import argparse
 import ctypes
+import faulthandler
 import gc
 import json
 import os
@@ -34,6 +35,8 @@ def main():
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args()
 
+    # A crash in native code prints every thread's Python stack (where it happened).
+    faulthandler.enable(all_threads=True)
     import stitch_alloc
     import torch
 
@@ -57,6 +60,14 @@ def main():
                  raw_streams=0, errors=[])
         keep = []
         own = [torch.cuda.Stream(device=dev) for _ in range(2)]
+        # torch.cuda.Stream() hands out streams from a small per-device pool, so two threads'
+        # "own" streams may be one CUDA stream; a capture must have a stream no other thread
+        # queues work on (run 26: another thread's kernel on the capturing stream invalidated
+        # the capture). Each thread captures on a raw stream of its own.
+        cap_h = ctypes.c_void_p()
+        if cuda.cuStreamCreate(ctypes.byref(cap_h), 1) != 0:
+            raise RuntimeError("cuStreamCreate failed")
+        cap = torch.cuda.ExternalStream(cap_h.value, device=dev)
         try:
             while not stop.is_set():
                 op = rng.random()
@@ -102,7 +113,7 @@ def main():
                     except (torch.cuda.OutOfMemoryError, RuntimeError):
                         r["ooms"] += 1
                 elif op < 0.86:  # a CUDA graph (one thread at a time, see device_sync)
-                    s = rng.choice(own)
+                    s = cap
                     x = torch.full((1 << 16,), 2.0, device=dev)
                     with torch.cuda.stream(s):
                         torch.cuda.current_stream().wait_stream(torch.cuda.default_stream())
@@ -135,8 +146,13 @@ def main():
         except Exception:  # noqa: BLE001
             r["errors"].append(traceback.format_exc(limit=3))
         keep.clear()
+        # A graph left by an error still holds its pool, whose blocks are freed on the
+        # capture stream: drop it before that stream is destroyed.
+        g = out = t = x = None  # noqa: F841
         with device_sync:
             torch.cuda.synchronize()
+        stitch_alloc.retire_stream(cap_h.value, device=0)
+        cuda.cuStreamDestroy_v2(cap_h)
         results[i] = r
 
     def emptier():
@@ -184,6 +200,20 @@ def main():
         calls={k: v for k, v in calls.items() if v} if isinstance(calls, dict) else calls,
         allocator=stitch_alloc.integration() if hasattr(stitch_alloc, "integration") else None,
     )
+    if live or reserved:
+        # What is still held, as torch's snapshot sees it (one segment per allocation or
+        # cached graph-pool block under the extension).
+        try:
+            segs = torch.cuda.memory_snapshot()
+            summary["held_segments"] = len(segs)
+            summary["held"] = [
+                dict(size=g.get("total_size"), stream=g.get("stream"),
+                     pool=list(g.get("segment_pool_id", ())),
+                     states=sorted({b.get("state") for b in g.get("blocks", [])}))
+                for g in segs[:12]
+            ]
+        except Exception as e:  # noqa: BLE001
+            summary["held"] = repr(e)
     ok = (not hung and summary["bad"] == 0 and summary["errors"] == 0 and live == 0
           and reserved == 0 and summary["ooms"] > 0)
     if isinstance(calls, dict) and calls:

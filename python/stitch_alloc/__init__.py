@@ -286,22 +286,47 @@ def _cuda_runtime_from_wheels():
     return None
 
 
-def build_extension(verbose=False):
-    """Build (or load from torch's extension cache) the C++ extension that implements torch's
-    whole CUDA allocator interface over the library, and return its module.
+EXT_DIR_ENV = "STITCH_ALLOC_EXT_DIR"
+"""Environment variable: the folder under which the C++ extension is built and cached
+(default: ``$XDG_CACHE_HOME/stitch_alloc/torch_ext`` or ``~/.cache/stitch_alloc/torch_ext``)."""
 
-    Built with ``torch.utils.cpp_extension.load`` (needs a C++ compiler and ninja; the
-    first build takes about a minute, later calls load the cached one, rebuilt when the
-    source or ``stitch_alloc.h`` changes). The CUDA headers come from ``CUDA_HOME`` or, when
-    torch finds no CUDA installation, from torch's CUDA wheels (``nvidia/cu13``)."""
-    global _ext
-    if _ext is not None:
-        return _ext
-    from torch.utils import cpp_extension  # noqa: PLC0415
+_EXT_NAME = "stitch_alloc_torch"
+
+
+def _extension_build_dir():
+    """The extension's build folder: one per (source, header, torch, CUDA, Python) so a
+    change of any of them builds anew and concurrent processes of different versions never
+    share one. Computed without touching CUDA."""
+    import hashlib  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
 
     src, incs = _extension_sources()
     if not os.path.isfile(src) or not incs:
         raise FileNotFoundError(f"the extension's source or stitch_alloc.h is missing ({src})")
+    h = hashlib.sha256()
+    for f in (src, os.path.join(incs[0], "stitch_alloc.h")):
+        with open(f, "rb") as fh:
+            h.update(fh.read())
+    h.update(f"{torch.__version__}|{torch.version.cuda}|{sys.version}|{sys.executable}".encode())
+    root = os.environ.get(EXT_DIR_ENV) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+        "stitch_alloc",
+        "torch_ext",
+    )
+    return os.path.join(root, h.hexdigest()[:16])
+
+
+def _build_here(build_dir, verbose=False):
+    """Compile the extension into ``build_dir`` with ``torch.utils.cpp_extension.load``
+    and write the ``built`` stamp. Runs in a child process (:func:`build_extension`):
+    importing ``torch.utils.cpp_extension`` calls ``torch.cuda.is_available()`` and the
+    build asks torch for the devices' compute capabilities, both of which initialise CUDA,
+    and a process that has initialised CUDA cannot hand a usable CUDA to a forked child."""
+    from torch.utils import cpp_extension  # noqa: PLC0415
+
+    src, incs = _extension_sources()
     ldflags = []
     with_cuda = cpp_extension.CUDA_HOME is not None
     if not with_cuda:
@@ -313,15 +338,59 @@ def build_extension(verbose=False):
         torch_lib = os.path.join(os.path.dirname(cpp_extension.__file__), "..", "lib")
         ldflags += [f"-L{lib}", f"-l:{name}", f"-Wl,-rpath,{lib}",
                     f"-L{os.path.realpath(torch_lib)}", "-lc10_cuda", "-ltorch_cuda"]
-    _ext = cpp_extension.load(
-        name="stitch_alloc_torch",
+    os.makedirs(build_dir, exist_ok=True)
+    cpp_extension.load(
+        name=_EXT_NAME,
         sources=[src],
         extra_include_paths=incs,
         extra_cflags=["-O2", "-std=c++17"],
         extra_ldflags=ldflags,
         with_cuda=with_cuda,
+        build_directory=build_dir,
         verbose=verbose,
     )
+    with open(os.path.join(build_dir, "built"), "w") as f:
+        f.write("ok\n")
+
+
+def build_extension(verbose=False):
+    """Build (or load from the cache) the C++ extension that implements torch's whole CUDA
+    allocator interface over the library, and return its module.
+
+    The build runs in a child Python (``torch.utils.cpp_extension.load``; needs a C++
+    compiler and ninja; about 15 s to a minute the first time), so this process never
+    initialises CUDA: ``enable()`` followed by ``os.fork()`` leaves the child a usable CUDA,
+    as without stitch-alloc. The result is cached under :data:`EXT_DIR_ENV`, keyed by the
+    source, ``stitch_alloc.h``, torch's and Python's versions; later calls import it
+    directly. The CUDA headers come from ``CUDA_HOME`` or, when torch finds no CUDA
+    installation, from torch's CUDA wheels (``nvidia/cu13``)."""
+    global _ext
+    if _ext is not None:
+        return _ext
+    import importlib.util  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    build_dir = _extension_build_dir()
+    so = os.path.join(build_dir, _EXT_NAME + ".so")
+    if not (os.path.isfile(os.path.join(build_dir, "built")) and os.path.isfile(so)):
+        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        code = (
+            f"import sys; sys.path.insert(0, {here!r}); import torch, stitch_alloc; "
+            f"stitch_alloc._build_here({build_dir!r}, verbose={bool(verbose)!r})"
+        )
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        if verbose:
+            sys.stderr.write(r.stdout + r.stderr)
+        if r.returncode != 0:
+            raise RuntimeError(
+                f"building the extension in {build_dir} failed (exit {r.returncode}):\n"
+                + (r.stderr or r.stdout)[-4000:]
+            )
+    spec = importlib.util.spec_from_file_location(_EXT_NAME, so)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    _ext = mod
     return _ext
 
 

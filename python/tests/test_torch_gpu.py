@@ -443,12 +443,17 @@ def test_extension_torch_memory_api_and_oom(libpath):
         y = (torch.ones(1 << 20, device="cuda") * 2).sum().item()
         print("RESULT", json.dumps({"a0": a0, "after": torch.cuda.memory_allocated(),
               "peak": torch.cuda.max_memory_allocated(), "reserved": torch.cuda.memory_reserved(),
+              "peak_reserved": torch.cuda.max_memory_reserved(),
               "summary": len(summary), "msg": msg, "seen": len(seen), "y": y}))
         """,
         ext=True,
     )
     assert res["a0"] >= 64 << 20 and res["after"] < 64 << 20, res
-    assert res["peak"] >= 64 << 20 and res["reserved"] >= 64 << 20, res
+    # Reserved memory may shrink after the free: a small request can take the place of a
+    # free large-pool handle (release and re-create, fewer bytes held), so the peak is what
+    # must show the 64 MiB, and the current figure must cover what is allocated.
+    assert res["peak"] >= 64 << 20 and res["peak_reserved"] >= 64 << 20, res
+    assert res["reserved"] >= res["after"], res
     assert res["summary"] > 100
     assert res["msg"] and "stitch-alloc" in res["msg"], res
     assert res["seen"] >= 1 and res["y"] == float(2 << 20)

@@ -22,7 +22,8 @@ pub(super) fn malloc(rt: &Runtime, size: usize, device: c_int, stream: Stream) -
         );
         0
     };
-    let r = rt.with_alloc("stitch_malloc", device, |a, _| {
+    let r = rt.with_alloc("stitch_malloc", device, |a, slot| {
+        release_held(a, slot, None);
         if size == 0 {
             // Torch asks for zero bytes for every empty tensor: NULL, without a warning and
             // without replacing the thread's last error (an out-of-memory diagnosis a user is
@@ -83,6 +84,7 @@ pub(super) fn free(rt: &Runtime, addr: u64, size: usize, device: c_int, stream: 
         return fail("invalid pointer: no allocation was made by this library yet");
     }
     let r = rt.with_alloc("stitch_free", device, |a, slot| {
+        release_held(a, slot, None);
         if slot.held.holds(addr) {
             return fail(
                 "freed already, during a CUDA graph capture (the block stays held for the \
@@ -103,13 +105,11 @@ pub(super) fn free(rt: &Runtime, addr: u64, size: usize, device: c_int, stream: 
         let capturing = a.driver().stream_capturing(stream).unwrap_or(true);
         if capturing {
             if let Some(usable) = a.usable_size(DevicePtr(addr)) {
-                slot.held.hold(addr, usable);
-                let m = format!(
-                    "{CAPTURE_UNSUPPORTED}: a block freed during a capture is not returned \
-                     to the pool (the graph may use it on replay); it stays held until the \
-                     process ends (graph_held_bytes in the statistics)"
+                slot.held.hold(addr, usable, stream);
+                tracing::debug!(
+                    addr,
+                    "stitch_free on a capturing stream: held until the capture has ended"
                 );
-                report_at(first_time(&format!("{m} {device}")), &m);
                 return;
             }
         }
@@ -129,6 +129,27 @@ pub(super) fn free(rt: &Runtime, addr: u64, size: usize, device: c_int, stream: 
     }
 }
 
+/// Free the blocks held since a free on a capturing stream ([`super::capture`]) whose
+/// capture has ended, and those of `retired` (a stream about to be destroyed: its capture is
+/// over, and it must not be queried after). Each is freed on its own stream.
+fn release_held(a: &super::runtime::Alloc, slot: &super::runtime::Slot, retired: Option<Stream>) {
+    let ready = slot.held.take_ready(
+        |s| a.driver().stream_capturing(s).unwrap_or(true),
+        |s| Some(s) == retired,
+    );
+    for (addr, stream) in ready {
+        if let Err(e) = a.free(DevicePtr(addr), stream) {
+            report(
+                tracing::Level::WARN,
+                &format!(
+                    "releasing a block held during a CUDA graph capture: {}",
+                    describe(&e)
+                ),
+            );
+        }
+    }
+}
+
 /// `stitch_init`.
 pub(super) fn init(rt: &Runtime, device_count: c_int) {
     rt.init_count.store(device_count, Ordering::Relaxed);
@@ -145,7 +166,10 @@ pub(super) fn reset(rt: &Runtime) {
         if let Some(p) = rt.poisoned(d) {
             report(first_time(p), &format!("stitch_reset: {p}"));
         } else if rt.existing(d).is_some() {
-            let r = rt.with_alloc("stitch_reset", d as c_int, |a, _| a.empty_cache());
+            let r = rt.with_alloc("stitch_reset", d as c_int, |a, slot| {
+                release_held(a, slot, None);
+                a.empty_cache()
+            });
             if let Ok(Err(e)) = r {
                 report(
                     tracing::Level::WARN,
@@ -174,7 +198,10 @@ pub(super) fn empty_cache(rt: &Runtime, device: c_int) -> c_int {
     if rt.existing(device as usize).is_none() {
         return 0; // nothing to release (and no driver is touched)
     }
-    match rt.with_alloc("stitch_empty_cache", device, |a, _| a.empty_cache()) {
+    match rt.with_alloc("stitch_empty_cache", device, |a, slot| {
+        release_held(a, slot, None);
+        a.empty_cache()
+    }) {
         Ok(Ok(_)) => 0,
         Ok(Err(e)) => fail(&e.to_string()),
         Err(m) => fail(&m),
@@ -203,7 +230,8 @@ pub(super) fn retire_stream(rt: &Runtime, device: c_int, stream: Stream) -> c_in
     if rt.existing(device as usize).is_none() {
         return 0; // nothing was freed on it (and no driver is touched)
     }
-    match rt.with_alloc("stitch_retire_stream", device, |a, _| {
+    match rt.with_alloc("stitch_retire_stream", device, |a, slot| {
+        release_held(a, slot, Some(stream));
         a.retire_stream(stream)
     }) {
         Ok(Ok(())) => 0,

@@ -16,8 +16,8 @@
 //!   (no `cuInit` at configuration read). A panic caught inside a device's allocator
 //!   disables that device: every later call on it fails, naming the panic.
 //! * `calls`: the bodies of the exports, on a given runtime.
-//! * `capture`: CUDA graph capture is refused (an allocation on a capturing stream returns
-//!   NULL; a block freed on one stays held for the life of the process).
+//! * `capture`: `stitch_malloc` on a capturing stream returns NULL (graph memory comes from
+//!   `stitch_malloc_graph`); a block freed on one is held until the capture has ended.
 //! * `fork`: in a child forked after the runtime was created, every call fails at once.
 //! * `stats`: the document of [`stitch_stats_json`], one typed struct per object.
 //! * `guard`: nothing crosses the boundary as a panic: every export runs under
@@ -152,8 +152,9 @@ pub extern "C" fn stitch_malloc(size: usize, device: c_int, stream: *mut c_void)
 ///
 /// NULL, a pointer this library never returned, a pointer inside an allocation, a pointer
 /// freed already, or one of another device: nothing is freed, the error is logged and kept
-/// for [`stitch_last_error`]. On a stream capturing a CUDA graph the block is not returned
-/// to the pool (the graph may use it on replay): it stays held until the process ends.
+/// for [`stitch_last_error`]. On a stream capturing a CUDA graph no event can be recorded:
+/// the block stays allocated until the capture has ended, and the next call on the device
+/// (or `stitch_retire_stream` of that stream) frees it then on its stream.
 #[no_mangle]
 pub extern "C" fn stitch_free(ptr: *mut c_void, size: usize, device: c_int, stream: *mut c_void) {
     on_runtime("stitch_free", (), |rt| {

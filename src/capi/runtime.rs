@@ -812,10 +812,10 @@ mod tests {
     }
 
     /// Issue #12: an allocation on a capturing stream is refused (naming the missing
-    /// support); a free on one keeps the block out of the pool, counted in the statistics;
-    /// the default stream and other streams go on as before.
+    /// support); a free on one keeps the block out of the pool, counted in the statistics,
+    /// until the capture has ended; the default stream and other streams go on as before.
     #[test]
-    fn graph_capture_is_refused_and_frees_are_held() {
+    fn graph_capture_is_refused_and_frees_are_held_until_it_ends() {
         let (rt, k) = test_rt("backend:cuda", 0);
         let cap = Stream::sim(7);
         let p = malloc(rt, 8 * MIB, 0, cap);
@@ -833,17 +833,46 @@ mod tests {
         assert_eq!(v["graph_held_bytes"], 8 * MIB);
         assert_eq!(v["torch"]["allocated_bytes.all.current"], 8 * MIB);
         assert_eq!(v["stats"]["frees"], 0);
-        // Other streams still allocate, and never get the held block.
+        // Other streams still allocate, and never get the held block while it is held.
         let q = malloc(rt, 8 * MIB, 0, Stream::sim(2));
         assert!(q != 0 && q != p);
-        k.capturing.store(0, Ordering::Relaxed);
-        // After the capture, a second free of the held block is refused, not a reuse.
-        free(rt, p, 0, Stream::DEFAULT);
+        // A second free during the capture is refused, not a second hold.
+        free(rt, p, 0, cap);
         assert!(last_error().contains("freed already, during a CUDA graph capture"));
-        assert_eq!(doc(rt, 0)["torch"]["allocated_bytes.all.current"], 16 * MIB);
-        free(rt, q, 0, Stream::DEFAULT);
-        let r = malloc(rt, 8 * MIB, 0, cap);
-        assert!(r != 0 && r != p, "the held block is never handed out again");
+        assert_eq!(doc(rt, 0)["graph_held_bytes"], 8 * MIB);
+        // The capture ends: the next call frees the held block on its stream.
+        k.capturing.store(0, Ordering::Relaxed);
+        free(rt, q, 0, Stream::sim(2));
+        let v = doc(rt, 0);
+        assert_eq!(v["graph_held_bytes"], 0);
+        assert_eq!(v["torch"]["allocated_bytes.all.current"], 0);
+        assert_eq!(v["stats"]["frees"], 2);
+        // Now a free of it is a plain double free.
+        free(rt, p, 0, cap);
+        assert!(
+            last_error().contains("invalid pointer") || last_error().contains("double free"),
+            "{}",
+            last_error()
+        );
+    }
+
+    /// Issue #13 (soak, H200 run 26): a block freed on a stream while it was capturing, whose
+    /// stream is then retired (about to be destroyed), is freed at the retire; the stream is
+    /// not queried again.
+    #[test]
+    fn retire_stream_releases_blocks_held_for_it() {
+        let (rt, k) = test_rt("backend:cuda", 0);
+        let cap = Stream::sim(11);
+        let p = malloc(rt, 4 * MIB, 0, cap);
+        k.capturing.store(cap.raw(), Ordering::Relaxed);
+        free(rt, p, 0, cap);
+        assert_eq!(doc(rt, 0)["graph_held_bytes"], 4 * MIB);
+        // Still reported as capturing (a stale query): retiring it releases the block.
+        assert_eq!(calls::retire_stream(rt, 0, cap), 0, "{}", last_error());
+        k.capturing.store(0, Ordering::Relaxed);
+        let v = doc(rt, 0);
+        assert_eq!(v["graph_held_bytes"], 0);
+        assert_eq!(v["torch"]["allocated_bytes.all.current"], 0);
     }
 
     /// Issue #12: graph-pool memory is handed out on a capturing stream (stitch_malloc

@@ -47,8 +47,8 @@ pub(super) struct StatsDoc<'a> {
     pub stats: Stats,
     /// [`DetailedStats`] without its `stats` (given above).
     pub fragmentation: Map<String, Value>,
-    /// Bytes of blocks freed during a CUDA graph capture, kept allocated (out of the pool)
-    /// for the life of the process because the graph may use them on replay (counted in
+    /// Bytes of blocks freed on a stream while it was capturing a CUDA graph, kept
+    /// allocated (out of the pool) until that capture has ended (counted in
     /// `torch.allocated_bytes.all.current` too).
     pub graph_held_bytes: u64,
 }
