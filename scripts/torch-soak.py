@@ -64,9 +64,13 @@ def main():
         # "own" streams may be one CUDA stream; a capture must have a stream no other thread
         # queues work on (run 26: another thread's kernel on the capturing stream invalidated
         # the capture). Each thread captures on a raw stream of its own.
+        # A new thread has no current CUDA context until the runtime makes the primary one
+        # current (its first CUDA call); the driver API needs one.
+        torch.zeros(1, device=dev).sum().item()
         cap_h = ctypes.c_void_p()
-        if cuda.cuStreamCreate(ctypes.byref(cap_h), 1) != 0:
-            raise RuntimeError("cuStreamCreate failed")
+        rc = cuda.cuStreamCreate(ctypes.byref(cap_h), 1)
+        if rc != 0:
+            raise RuntimeError(f"cuStreamCreate failed ({rc})")
         cap = torch.cuda.ExternalStream(cap_h.value, device=dev)
         try:
             while not stop.is_set():
