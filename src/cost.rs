@@ -14,7 +14,9 @@
 //!   covers (the anchors found one SetAccess spanning N mappings costs the same as N calls),
 //!   plus a small quadratic term fitted to the anchors' measurement that N adjacent handles
 //!   cost more per handle as N grows (48 us at N = 1 to 65 us at N = 512 for map + SetAccess
-//!   + unmap): [`CostModel::price_set_access`].
+//!   + unmap): [`CostModel::price_set_access`]. Each peer device granted access in the same
+//!   call adds the one-device price again (an assumption, not measured:
+//!   [`CostModel::price_set_access_devices`]).
 //! * Events and `cuMemGetInfo` were not measured in the anchors; their costs here (2 us per
 //!   record, 1 us per query or destroy, 5 us per wait not counting the GPU work waited for)
 //!   are stated assumptions, as is `cuMemAddressFree` (priced like a reserve). Host/device
@@ -118,6 +120,10 @@ pub struct CostModel {
     pub set_access: SizedCost,
     /// Extra SetAccess cost of `q * N^2` µs for a range covering N handles (fitted: 0.033).
     pub set_access_quadratic: f64,
+    /// What each peer device in a SetAccess adds, as a fraction of the owner's price (a
+    /// stated assumption, 1.0: each device's page tables are written; the anchors measured
+    /// one device only). A SetAccess for the owner and P peers costs `1 + P *` this.
+    pub set_access_per_peer: f64,
     /// `cuEventCreate` + `cuEventRecord` (assumed).
     pub record_event: f64,
     /// `cuEventQuery` (assumed).
@@ -180,6 +186,7 @@ impl CostModel {
                 at_1gib: 74.0,
             },
             set_access_quadratic: 0.033,
+            set_access_per_peer: 1.0,
             record_event: 2.0,
             query_event: 1.0,
             wait_event: 5.0,
@@ -238,6 +245,28 @@ impl CostModel {
             return self.set_access.at(range_size);
         }
         us + self.set_access_quadratic * (n * n) as f64
+    }
+
+    /// [`CostModel::price_set_access`] for a SetAccess that grants `devices` devices (the
+    /// owner and its peers) access: each peer adds [`CostModel::set_access_per_peer`] of the
+    /// one-device price.
+    ///
+    /// ```
+    /// use stitch_alloc::cost::CostModel;
+    /// let c = CostModel::h200();
+    /// let g = 2 << 20;
+    /// let one = c.price_set_access([g], g);
+    /// assert_eq!(c.price_set_access_devices([g], g, 1), one);
+    /// assert_eq!(c.price_set_access_devices([g], g, 3), 3.0 * one);
+    /// ```
+    pub fn price_set_access_devices(
+        &self,
+        mapping_sizes: impl IntoIterator<Item = u64>,
+        range_size: u64,
+        devices: u32,
+    ) -> f64 {
+        let peers = devices.saturating_sub(1) as f64;
+        self.price_set_access(mapping_sizes, range_size) * (1.0 + peers * self.set_access_per_peer)
     }
 
     /// Price call counts alone (no sizes): size-dependent calls at the 2–64 MiB midpoint,

@@ -1148,6 +1148,9 @@ impl Driver for CudaDriver {
         })
     }
 
+    fn access_devices(&self) -> u32 {
+        self.access.len() as u32
+    }
     fn has_data(&self) -> bool {
         true
     }

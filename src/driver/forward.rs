@@ -152,8 +152,8 @@ impl From<MemInfo> for Done {
 /// A driver wrapper: forwards every [`Driver`] call to [`Forward::inner`], running the hooks
 /// around it. Implementing this trait gives the type [`Driver`].
 ///
-/// `name`, `granularity`, `stream_capturing`, `exchange_capture_mode`, `has_data` and
-/// `simulated_work` are forwarded
+/// `name`, `granularity`, `stream_capturing`, `exchange_capture_mode`, `has_data`,
+/// `access_devices` and `simulated_work` are forwarded
 /// without hooks; every other call runs `before` (an error there is returned without calling
 /// the inner driver), then the inner call, then `after` with its outcome.
 pub trait Forward: Send + Sync {
@@ -191,6 +191,12 @@ pub trait Forward: Send + Sync {
     /// [`DriverOp`] and is neither counted nor timed.
     fn forward_stream_capturing(&self, stream: Stream) -> DriverResult<bool> {
         self.inner().stream_capturing(stream)
+    }
+
+    /// How this wrapper answers [`Driver::access_devices`] (by default the inner driver's; a
+    /// test wrapper may pretend to have peers).
+    fn forward_access_devices(&self) -> u32 {
+        self.inner().access_devices()
     }
 
     /// How this wrapper performs [`Driver::read`] (by default the inner driver's).
@@ -295,6 +301,9 @@ impl<F: Forward> Driver for F {
     }
     fn has_data(&self) -> bool {
         self.inner().has_data()
+    }
+    fn access_devices(&self) -> u32 {
+        self.forward_access_devices()
     }
     fn simulated_work(&self) -> Option<&dyn SimulatedWork> {
         self.inner().simulated_work()

@@ -247,7 +247,7 @@ impl Meter {
     }
 
     /// Count, time and price one call the inner driver returned from.
-    fn record(&self, call: &Call, result: Result<Done, &DriverError>, ns: u64) {
+    fn record(&self, call: &Call, result: Result<Done, &DriverError>, ns: u64, devices: u32) {
         let c = &self.cost;
         let op = call.op();
         let mut s = self.state.lock();
@@ -280,12 +280,14 @@ impl Meter {
                 c.price(op, size)
             }
             // One call per mapping the range covers (anchors: cost follows handles).
+            // Per device granted access too (the owner and its peers).
             Call::SetAccess { addr, size } => Some(
-                c.price_set_access(
+                c.price_set_access_devices(
                     l.mappings
                         .range(addr..addr.saturating_add(size))
                         .map(|(_, m)| m.size),
                     size,
+                    devices,
                 ),
             ),
             Call::Reserve { size } | Call::FreeReservation { size, .. } => c.price(op, size),
@@ -487,7 +489,14 @@ impl<D: Driver, M: Borrow<Meter> + Send + Sync> Forward for Metering<D, M> {
         &self.inner
     }
     fn after(&self, call: &Call, result: Result<Done, &DriverError>, elapsed_ns: u64) {
-        self.meter.borrow().record(call, result, elapsed_ns);
+        let devices = if matches!(call, Call::SetAccess { .. }) {
+            self.inner.access_devices()
+        } else {
+            1
+        };
+        self.meter
+            .borrow()
+            .record(call, result, elapsed_ns, devices);
     }
 }
 
@@ -599,6 +608,45 @@ mod tests {
         assert_eq!(a.driver().timings().measured_ns(), 0);
         assert_eq!(a.driver().timings().get(DriverOp::Create).calls, 0);
         assert!(a.driver().inner().leak_report().reservations > 0);
+    }
+
+    /// A driver with two peers (issue #14: access for a peer is set once per mapping and
+    /// priced): SetAccess costs three times the one-device price, nothing else changes.
+    #[test]
+    fn set_access_is_priced_per_device_granted_access() {
+        struct Peers(SimDriver);
+        impl crate::driver::Forward for Peers {
+            type Inner = SimDriver;
+            fn inner(&self) -> &SimDriver {
+                &self.0
+            }
+            fn forward_access_devices(&self) -> u32 {
+                3
+            }
+        }
+        let run = |peers: bool| {
+            let sim = SimDriver::with_capacity(1 << 30);
+            let cfg = Config::default().with_handle_sizes(0, 2 * MIB);
+            let t = if peers {
+                let a = Allocator::new(Timed::new(Peers(sim)), cfg).unwrap();
+                let p = a.alloc(16 * MIB, Stream::DEFAULT).unwrap();
+                a.free(p, Stream::DEFAULT).unwrap();
+                a.driver().timings()
+            } else {
+                let a = Allocator::new(Timed::new(sim), cfg).unwrap();
+                let p = a.alloc(16 * MIB, Stream::DEFAULT).unwrap();
+                a.free(p, Stream::DEFAULT).unwrap();
+                a.driver().timings()
+            };
+            (t.get(DriverOp::SetAccess), t.get(DriverOp::Create))
+        };
+        let (one, c1) = run(false);
+        let (three, c3) = run(true);
+        assert_eq!(one.calls, three.calls);
+        assert!(one.modeled_ns > 0);
+        let ratio = three.modeled_ns as f64 / one.modeled_ns as f64;
+        assert!((ratio - 3.0).abs() < 1e-3, "{ratio}");
+        assert_eq!(c1.modeled_ns, c3.modeled_ns);
     }
 
     #[test]

@@ -455,6 +455,12 @@ pub trait Driver: Send + Sync {
     fn has_data(&self) -> bool {
         false
     }
+    /// How many devices each [`Driver::set_access`] grants access to: the owner plus its
+    /// peers (one `CUmemAccessDesc` each). The cost model prices SetAccess per device
+    /// ([`crate::cost::CostModel::set_access_per_peer`]).
+    fn access_devices(&self) -> u32 {
+        1
+    }
     /// The simulated GPU work queue of a CPU backend (`None` on a real device, whose work
     /// runs by itself). Replays use it to model a GPU that lags behind the CPU.
     fn simulated_work(&self) -> Option<&dyn SimulatedWork> {
