@@ -13,9 +13,9 @@
 //! * `cuMemSetAccess` over a range costs the per-handle price for each mapping the range
 //!   covers (the anchors found one SetAccess spanning N mappings costs the same as N calls),
 //!   plus a small quadratic term fitted to the anchors' measurement that N adjacent handles
-//!   cost more per handle as N grows (48 us at N = 1 to 65 us at N = 512 for map + SetAccess
-//!   + unmap): [`CostModel::price_set_access`]. Each peer device granted access in the same
-//!   call adds the one-device price again (an assumption, not measured:
+//!   cost more per handle as N grows (48 us at N = 1 to 65 us at N = 512 for map, SetAccess
+//!   and unmap): [`CostModel::price_set_access`]. Each peer device granted access in the
+//!   same call adds the one-device price again (an assumption, not measured:
 //!   [`CostModel::price_set_access_devices`]).
 //! * Events and `cuMemGetInfo` were not measured in the anchors; their costs here (2 us per
 //!   record, 1 us per query or destroy, 5 us per wait not counting the GPU work waited for)
