@@ -263,6 +263,17 @@ int stitch_set_memory_fraction(int device, double fraction);
 double stitch_get_memory_fraction(int device);
 
 /*
+ * As stitch_malloc, with the memory inside ONE physical handle created for it (any size up
+ * to the capacity; max_handle does not apply), mapped alone: for buffers that NCCL
+ * user-buffer registration (ncclCommRegister, ProcessGroupNCCL.register_mem_pool) or RDMA
+ * pinning (ibv_reg_mr) will see, which need one physical allocation behind the whole range
+ * (a span of several handles, stitched or not, is refused there). Clean free handles are
+ * released first when the capacity leaves no room. Same signature as stitch_malloc, so a
+ * CUDAPluggableAllocator on it can back a torch.cuda.MemPool. Freed with stitch_free.
+ */
+void* stitch_malloc_one_handle(size_t size, int device, void* stream);
+
+/*
  * CUDA graph private pools. Allocate `size` bytes on `device` for use on `stream`, which may
  * be capturing a graph (unlike stitch_malloc, which refuses a capturing stream): only clean
  * free memory (no stream's queued work may still use it) or newly created memory is used;

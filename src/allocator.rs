@@ -217,6 +217,30 @@ impl<D: Driver> Allocator<D> {
         r
     }
 
+    /// Allocate `size` bytes for use on `stream` inside **one** physical handle created for
+    /// them (any size up to the capacity), mapped alone: for buffers that NCCL user-buffer
+    /// registration or RDMA pinning will see, which need one physical allocation behind
+    /// the whole range (a span of several handles, stitched or not, is refused there).
+    /// Clean free handles are released first when the capacity leaves no room. Free it
+    /// with [`Allocator::free`] like any other allocation; its handle then joins the pool.
+    ///
+    /// ```
+    /// use stitch_alloc::{Allocator, Config, Stream};
+    /// use stitch_alloc::driver::{DriverOp, SimDriver};
+    /// let a = Allocator::new(SimDriver::with_capacity(1 << 30), Config::default()).unwrap();
+    /// let p = a.alloc_one_handle(300 << 20, Stream::DEFAULT).unwrap();
+    /// assert_eq!(a.stats().calls.get(DriverOp::Create), 1, "one handle, above max_handle");
+    /// a.free(p, Stream::DEFAULT).unwrap();
+    /// ```
+    pub fn alloc_one_handle(&self, size: u64, stream: Stream) -> Result<DevicePtr> {
+        let mut e = self.engine.lock();
+        let r = e
+            .alloc_one_handle(&self.driver, size, stream)
+            .map(DevicePtr);
+        self.check(&e);
+        r
+    }
+
     /// Free memory as clean: usable by every stream at once, with no event recorded. The
     /// caller guarantees that no work queued on the device uses it any more (for a CUDA
     /// graph's pool: after the device was synchronised once the graph was destroyed).

@@ -15,20 +15,45 @@ use std::sync::atomic::Ordering;
 
 /// `stitch_malloc`: the address, or 0 on failure (reported).
 pub(super) fn malloc(rt: &Runtime, size: usize, device: c_int, stream: Stream) -> u64 {
+    malloc_by(rt, "stitch_malloc", size, device, stream, |a, n, s| {
+        a.alloc(n, s)
+    })
+}
+
+/// `stitch_malloc_one_handle`: as [`malloc`], the memory inside one physical handle
+/// (`Allocator::alloc_one_handle`).
+pub(super) fn malloc_one_handle(rt: &Runtime, size: usize, device: c_int, stream: Stream) -> u64 {
+    malloc_by(
+        rt,
+        "stitch_malloc_one_handle",
+        size,
+        device,
+        stream,
+        |a, n, s| a.alloc_one_handle(n, s),
+    )
+}
+
+/// The body of the allocation exports: `alloc` on the device's allocator, with the zero
+/// size, capture and error rules of `stitch_malloc`.
+fn malloc_by(
+    rt: &Runtime,
+    func: &'static str,
+    size: usize,
+    device: c_int,
+    stream: Stream,
+    alloc: impl FnOnce(&super::runtime::Alloc, u64, Stream) -> Result<DevicePtr, AllocError>,
+) -> u64 {
     let fail = |level, m: &str| {
-        report(
-            level,
-            &format!("stitch_malloc(size={size}, device={device}): {m}"),
-        );
+        report(level, &format!("{func}(size={size}, device={device}): {m}"));
         0
     };
-    let r = rt.with_alloc("stitch_malloc", device, |a, slot| {
+    let r = rt.with_alloc(func, device, |a, slot| {
         release_held(a, slot, None);
         if size == 0 {
             // Torch asks for zero bytes for every empty tensor: NULL, without a warning and
             // without replacing the thread's last error (an out-of-memory diagnosis a user is
             // told to read must survive the empty tensors allocated after it).
-            tracing::debug!(device, "stitch_malloc: zero-size allocation");
+            tracing::debug!(device, "{func}: zero-size allocation");
             return Ok(0);
         }
         match a.driver().stream_capturing(stream) {
@@ -41,7 +66,7 @@ pub(super) fn malloc(rt: &Runtime, size: usize, device: c_int, stream: Stream) -
                 ))
             }
         }
-        match a.driver().meter().scoped(|| a.alloc(size as u64, stream)) {
+        match a.driver().meter().scoped(|| alloc(a, size as u64, stream)) {
             Ok(p) => Ok(p.addr()),
             Err(e) => Err((tracing::Level::WARN, describe_oom(rt, size, device, &e))),
         }

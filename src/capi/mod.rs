@@ -146,6 +146,28 @@ pub extern "C" fn stitch_malloc(size: usize, device: c_int, stream: *mut c_void)
     })
 }
 
+/// As [`stitch_malloc`], with the memory inside **one** physical handle created for it (any
+/// size up to the capacity): for buffers that NCCL user-buffer registration
+/// (`ncclCommRegister`, `ProcessGroupNCCL.register_mem_pool`) or RDMA pinning will see, which
+/// need one physical allocation behind the whole range. Same signature as `stitch_malloc`, so
+/// a `CUDAPluggableAllocator` built on it can back a `torch.cuda.MemPool` (see the README).
+/// Freed with [`stitch_free`].
+#[no_mangle]
+pub extern "C" fn stitch_malloc_one_handle(
+    size: usize,
+    device: c_int,
+    stream: *mut c_void,
+) -> *mut c_void {
+    on_runtime("stitch_malloc_one_handle", std::ptr::null_mut(), |rt| {
+        u64_to_ptr(calls::malloc_one_handle(
+            rt,
+            size,
+            device,
+            torch_stream(stream),
+        ))
+    })
+}
+
 /// Free `ptr`, returned by [`stitch_malloc`] on `device`, whose last use was queued on
 /// `stream`. `size` is the size asked for (0 = unknown). The `CUDAPluggableAllocator` free
 /// function (torch 2.11 passes all four arguments).

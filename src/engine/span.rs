@@ -402,7 +402,7 @@ impl Engine {
     ///
     /// `aliased` handles are still mapped at their old address too: a failed unmap of their
     /// new mapping leaves a ghost with no work behind it, retried at the next slow path.
-    fn rollback_span<D: Driver + ?Sized>(
+    pub(super) fn rollback_span<D: Driver + ?Sized>(
         &mut self,
         d: &D,
         base: u64,
@@ -478,7 +478,7 @@ impl Engine {
     /// Address space for a new run: the middle of the largest free range, so the run can
     /// later grow in place; a new reservation when no range is twice the length; plain best
     /// fit when the address-space limit is reached.
-    fn va_alloc<D: Driver + ?Sized>(&mut self, d: &D, len: u64) -> Result<u64> {
+    pub(super) fn va_alloc<D: Driver + ?Sized>(&mut self, d: &D, len: u64) -> Result<u64> {
         let g = self.cfg.granularity;
         if let Some(a) = self.va.alloc_spread(len, g) {
             return Ok(a);

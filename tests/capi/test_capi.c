@@ -286,6 +286,27 @@ static int run_main(void) {
     CHECK(stitch_device_stats(1, NULL, 0) == -1, "typed stats into NULL");
     stitch_free(t1, 0, 1, NULL);
 
+    /* One physical handle per buffer (NCCL registration): usable memory, the handle count
+       goes up by exactly one, freed with stitch_free; zero bytes is NULL. */
+    stitch_clear_error();
+    uint64_t handles_before = 0;
+    {
+        struct stitch_device_stats hs;
+        CHECK(stitch_device_stats(1, &hs, sizeof hs) > 0, "stats before one_handle");
+        handles_before = hs.segments_allocated;
+    }
+    void* oh = stitch_malloc_one_handle(5 * MIB + 3, 1, NULL);
+    CHECK(oh != NULL, "malloc_one_handle");
+    memset(oh, 0x33, 5 * MIB + 3);
+    {
+        struct stitch_device_stats hs;
+        CHECK(stitch_device_stats(1, &hs, sizeof hs) > 0 && hs.segments_allocated == handles_before + 1,
+              "one handle created for it");
+    }
+    stitch_free(oh, 0, 1, NULL);
+    CHECK(stitch_last_error()[0] == 0, "freed with stitch_free");
+    CHECK(stitch_malloc_one_handle(0, 1, NULL) == NULL, "malloc_one_handle of 0 bytes is NULL");
+
     /* Graph-pool allocation (no capture on the host backend: the path is the same). */
     stitch_clear_error();
     void* g = stitch_malloc_graph(2 * MIB, 1, (void*)0x30);
