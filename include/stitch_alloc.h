@@ -263,6 +263,30 @@ int stitch_set_memory_fraction(int device, double fraction);
 double stitch_get_memory_fraction(int device);
 
 /*
+ * The segment log (for torch's memory history: segment_map / segment_unmap entries). One
+ * mapping the driver made (action 1, cuMemMap) or removed (action 2, cuMemUnmap).
+ */
+struct stitch_segment_event {
+    uint64_t action;
+    uint64_t addr;
+    uint64_t size;
+};
+
+/*
+ * Start (enable != 0) or stop recording `device`'s maps and unmaps. Touches no driver:
+ * before the device's first allocation the setting is kept for it. Stopping drops unread
+ * events. 0, or -1 for a device out of range.
+ */
+int stitch_segment_log(int device, int enable);
+
+/*
+ * Move up to `max` of `device`'s oldest recorded events into `out` (oldest first); returns
+ * how many, or -1 on error. At most 1,048,576 unread events are kept (older ones are dropped,
+ * counted as "segment_events_dropped" in stitch_stats_json).
+ */
+ptrdiff_t stitch_segment_events(int device, struct stitch_segment_event* out, size_t max);
+
+/*
  * As stitch_malloc, with the memory inside ONE physical handle created for it (any size up
  * to the capacity; max_handle does not apply), mapped alone: for buffers that NCCL
  * user-buffer registration (ncclCommRegister, ProcessGroupNCCL.register_mem_pool) or RDMA

@@ -5,9 +5,11 @@ that torch's own memory_viz renders and `stitch replay` reads back.
 Runs a small training loop and a few large tensors under stitch-alloc (the C++ extension)
 with `torch.cuda.memory._record_memory_history`, dumps the snapshot, renders it with
 `torch.cuda._memory_viz.trace_plot` and `segment_plot`, and replays it with the stitch
-binary (simulator). Prints one JSON line; exit status 0 only if every step worked and the
-replay's peak of live bytes equals the peak the trace itself shows (computed here from
-the trace entries, not from the allocator).
+binary (simulator). Prints one JSON line; exit status 0 only if every step worked, the
+trace holds the allocator's own `segment_map` entries (the library's maps, drained by the
+extension from `stitch_segment_events`) and the replay's peak of live bytes equals the
+peak the trace itself shows (computed here from the trace entries, not from the
+allocator).
 
     python3 scripts/torch-own-snapshot.py --stitch .gpu/bin/stitch --out DIR
 """
@@ -64,6 +66,9 @@ def main():
         elif e["action"] == free_action and e["addr"] in live:
             cur -= live.pop(e["addr"])
     res["trace_peak_requested"] = peak
+    # The library's own maps and unmaps (stitch_segment_events), as segment_map / unmap.
+    res["segment_maps"] = sum(e["action"] == "segment_map" for e in trace)
+    res["segment_unmaps"] = sum(e["action"] == "segment_unmap" for e in trace)
     from torch.cuda import _memory_viz
 
     try:
@@ -82,6 +87,7 @@ def main():
         res["replay_error"] = (r.stderr or r.stdout)[-500:]
     ok = (res["mode"] == "extension" and res["events"] > 0 and "memory_viz_error" not in res
           and res["trace_plot_chars"] > 1000 and res["replay_exit"] == 0
+          and res["segment_maps"] > 0
           and res.get("replay_peak_requested") == peak)
     res["result"] = "PASS" if ok else "FAIL"
     print(json.dumps(res))

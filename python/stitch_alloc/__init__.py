@@ -191,6 +191,7 @@ def _declare(lib):
         "stitch_get_memory_fraction": (c.c_double, [c.c_int]),
         "stitch_malloc_graph": (c.c_void_p, [c.c_size_t, c.c_int, c.c_void_p]),
         "stitch_malloc_one_handle": (c.c_void_p, [c.c_size_t, c.c_int, c.c_void_p]),
+        "stitch_segment_log": (c.c_int, [c.c_int, c.c_int]),
         "stitch_free_graph": (c.c_int, [c.c_void_p, c.c_int]),
     }
     for name, (res, args) in sigs.items():

@@ -175,6 +175,35 @@ fn release_held(a: &super::runtime::Alloc, slot: &super::runtime::Slot, retired:
     }
 }
 
+/// `stitch_segment_log`: 0, or -1 for a device out of range (reported).
+pub(super) fn segment_log(rt: &Runtime, device: c_int, on: bool) -> c_int {
+    match rt.want_segments(device, on) {
+        Ok(()) => 0,
+        Err(m) => {
+            report(
+                tracing::Level::WARN,
+                &format!("stitch_segment_log(device={device}): {m}"),
+            );
+            -1
+        }
+    }
+}
+
+/// `stitch_segment_events`: the oldest events of `device`, at most `max`; `Err` with the
+/// reason (reported) for a device out of range.
+pub(super) fn segment_events(
+    rt: &Runtime,
+    device: c_int,
+    max: usize,
+) -> Result<Vec<super::segments::SegmentEvent>, ()> {
+    rt.drain_segments(device, max).map_err(|m| {
+        report(
+            tracing::Level::WARN,
+            &format!("stitch_segment_events(device={device}): {m}"),
+        );
+    })
+}
+
 /// `stitch_init`.
 pub(super) fn init(rt: &Runtime, device_count: c_int) {
     rt.init_count.store(device_count, Ordering::Relaxed);

@@ -39,6 +39,7 @@ mod conf;
 mod fork;
 mod guard;
 mod runtime;
+mod segments;
 mod stats;
 
 use self::guard::{guard, to_cstring};
@@ -143,6 +144,62 @@ where
 pub extern "C" fn stitch_malloc(size: usize, device: c_int, stream: *mut c_void) -> *mut c_void {
     on_runtime("stitch_malloc", std::ptr::null_mut(), |rt| {
         u64_to_ptr(calls::malloc(rt, size, device, torch_stream(stream)))
+    })
+}
+
+/// One mapping the driver made or removed for a device (see [`stitch_segment_events`]).
+#[repr(C)]
+#[derive(Copy, Clone, Debug, Default)]
+pub struct StitchSegmentEvent {
+    /// 1: a mapping was made (`cuMemMap`); 2: one was removed (`cuMemUnmap`).
+    pub action: u64,
+    /// The mapping's device address.
+    pub addr: u64,
+    /// Its size in bytes.
+    pub size: u64,
+}
+
+/// Start (`enable` != 0) or stop recording `device`'s maps and unmaps for
+/// [`stitch_segment_events`] (torch's memory history: `segment_map` / `segment_unmap`).
+/// Touches no driver: before the device's first allocation the setting is kept for it.
+/// Stopping drops what was not read. 0, or -1 for a device out of range.
+#[no_mangle]
+pub extern "C" fn stitch_segment_log(device: c_int, enable: c_int) -> c_int {
+    on_runtime("stitch_segment_log", -1, |rt| {
+        calls::segment_log(rt, device, enable != 0)
+    })
+}
+
+/// Move up to `max` of `device`'s oldest recorded segment events into `out`, oldest first;
+/// returns how many, or -1 on error (a device out of range, `out` NULL with `max` > 0).
+/// At most 1,048,576 unread events are kept; older ones are dropped.
+///
+/// # Safety
+/// `out` must point to `max` writable `StitchSegmentEvent`s (it may be NULL when `max` is 0).
+#[no_mangle]
+pub unsafe extern "C" fn stitch_segment_events(
+    device: c_int,
+    out: *mut StitchSegmentEvent,
+    max: usize,
+) -> isize {
+    on_runtime("stitch_segment_events", -1, |rt| {
+        if out.is_null() && max > 0 {
+            guard::set_last_error("stitch_segment_events: out is NULL");
+            return -1;
+        }
+        let Ok(ev) = calls::segment_events(rt, device, max) else {
+            return -1;
+        };
+        for (i, e) in ev.iter().enumerate() {
+            let v = StitchSegmentEvent {
+                action: if e.map { 1 } else { 2 },
+                addr: e.addr,
+                size: e.size,
+            };
+            // SAFETY: the caller guarantees `out` holds `max` events, and `ev.len() <= max`.
+            unsafe { out.add(i).write(v) };
+        }
+        ev.len() as isize
     })
 }
 

@@ -11,6 +11,7 @@
 use super::capture::GraphHeld;
 use super::conf::{Conf, LogLevel, Peers, DEFAULT_DEVICES, MAX_DEVICES};
 use super::guard::panic_message;
+use super::segments::{Logged, SegmentEvent, SegmentLog};
 use super::stats::{DeviceStats, StatsDoc};
 use super::CONF_ENV;
 use crate::driver::host::HOST_DEFAULT_CAPACITY;
@@ -20,12 +21,13 @@ use crate::{Allocator, AnyDriver, Backend, CudaDriver, DevicePtr, Driver};
 use parking_lot::Mutex;
 use std::ffi::c_int;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicI32, Ordering};
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::sync::{Arc, OnceLock};
 
 /// Every driver call is timed (two clock reads per call, on the slow path only), so that the
 /// statistics can say how much wall time the allocator spent inside the driver.
-pub(super) type Alloc = Allocator<Timed<Device>>;
+/// Under the timing, [`Logged`] records maps and unmaps for torch's history when asked.
+pub(super) type Alloc = Allocator<Timed<Logged<Device>>>;
 
 /// The driver of one device: a backend of the crate, or (unit tests only) any driver.
 #[cfg_attr(test, allow(clippy::large_enum_variant))] // the boxed variant is tests' only
@@ -119,6 +121,8 @@ pub(super) struct Slot {
     poison: OnceLock<String>,
     /// Blocks freed during a CUDA graph capture, kept out of the pool.
     pub held: GraphHeld,
+    /// Maps and unmaps of this device's driver, while a caller records them.
+    pub segments: Arc<SegmentLog>,
 }
 
 /// The backend in use and the devices it serves.
@@ -138,6 +142,9 @@ pub(super) struct Runtime {
     devices: OnceLock<Result<Devices, String>>,
     /// The device count torch passed to `stitch_init` (-1 before).
     pub init_count: AtomicI32,
+    /// Per device ordinal: whether its segment log should record (`stitch_segment_log`),
+    /// applied to the log when the device's allocator is created and at once when it exists.
+    segments_wanted: Box<[AtomicBool]>,
 }
 
 impl Runtime {
@@ -154,6 +161,7 @@ impl Runtime {
             open,
             devices: OnceLock::new(),
             init_count: AtomicI32::new(-1),
+            segments_wanted: (0..MAX_DEVICES).map(|_| AtomicBool::new(false)).collect(),
         }
     }
 
@@ -253,6 +261,26 @@ impl Runtime {
         }
     }
 
+    /// Turn the segment log of `device` on or off (`stitch_segment_log`), without touching a
+    /// driver: before the device's allocator exists the wish is kept for its creation.
+    pub fn want_segments(&self, device: c_int, on: bool) -> Result<(), String> {
+        let slot = self.known_slot(device)?;
+        self.segments_wanted[device as usize].store(on, Ordering::Release);
+        if let Some(s) = slot {
+            s.segments.set_enabled(on);
+        }
+        Ok(())
+    }
+
+    /// Up to `max` of the oldest segment events of `device` (none before its allocator
+    /// exists).
+    pub fn drain_segments(&self, device: c_int, max: usize) -> Result<Vec<SegmentEvent>, String> {
+        Ok(match self.known_slot(device)? {
+            Some(s) => s.segments.drain(max),
+            None => Vec::new(),
+        })
+    }
+
     /// Check that `device` may be served (without touching a driver, see
     /// [`Runtime::known_slot`]).
     pub fn check_device(&self, device: c_int) -> Result<(), String> {
@@ -279,7 +307,7 @@ impl Runtime {
                 .alloc
                 .get_or_init(|| {
                     let fraction = slot.fraction.lock();
-                    self.create(devices.backend, device, *fraction)
+                    self.create(devices.backend, device, *fraction, &slot.segments)
                 })
                 .as_ref()
                 .map_err(Clone::clone)?;
@@ -366,7 +394,9 @@ impl Runtime {
         let a = slot.and_then(|s| s.alloc.get()?.as_ref().ok());
         let held = slot.map_or(0, |s| s.held.bytes());
         let init = self.init_count.load(Ordering::Relaxed);
-        StatsDoc::new(device, self.backend()?, init, &self.raw_conf, a, held)?.to_json()
+        let mut doc = StatsDoc::new(device, self.backend()?, init, &self.raw_conf, a, held)?;
+        doc.segment_events_dropped = slot.map_or(0, |s| s.segments.dropped());
+        doc.to_json()
     }
 
     /// The typed statistics of `device` (all 0 before its allocator exists; touches no
@@ -406,6 +436,7 @@ impl Runtime {
         backend: Backend,
         device: c_int,
         fraction: Option<f64>,
+        segments: &Arc<SegmentLog>,
     ) -> Result<Alloc, String> {
         let conf = self.conf()?;
         let driver = self
@@ -415,8 +446,9 @@ impl Runtime {
             .mem_info()
             .map_err(|e| format!("device {device}: {e}"))?;
         let cfg = conf.allocator_config(mem, fraction);
-        let a =
-            Allocator::new(Timed::new(driver), cfg).map_err(|e| format!("device {device}: {e}"))?;
+        segments.set_enabled(self.segments_wanted[device as usize].load(Ordering::Acquire));
+        let a = Allocator::new(Timed::new(Logged::new(driver, segments.clone())), cfg)
+            .map_err(|e| format!("device {device}: {e}"))?;
         tracing::info!(
             device,
             backend = backend.name(),
@@ -470,6 +502,7 @@ impl Devices {
                 fraction: Mutex::new(None),
                 poison: OnceLock::new(),
                 held: GraphHeld::default(),
+                segments: Arc::default(),
             })
             .collect();
         Ok(Devices { backend, slots })
@@ -789,6 +822,8 @@ mod tests {
         calls::reset(rt);
         calls::free(rt, 0x1000, 0, 0, Stream::DEFAULT); // not one of ours
         calls::record_stream(rt, 0x1000, Stream::DEFAULT);
+        assert_eq!(calls::segment_log(rt, 0, true), 0);
+        assert_eq!(calls::segment_events(rt, 0, 10), Ok(Vec::new()));
         assert_eq!(
             k.probes.load(Ordering::Relaxed),
             0,
@@ -809,6 +844,37 @@ mod tests {
         let (rt, k) = test_rt("backend:host", 0);
         assert_eq!(doc(rt, 0)["backend"], "host");
         assert_eq!(k.opens.load(Ordering::Relaxed), 0);
+    }
+
+    /// Issue #12 item 5: the segment log, asked for before the device's first allocation,
+    /// records that allocation's maps, then the unmaps of `empty_cache`; it balances against
+    /// the mapped bytes; stopping it stops the events; a bad device is refused.
+    #[test]
+    fn segment_events_follow_the_mappings() {
+        let (rt, _k) = test_rt("backend:cuda", 0);
+        assert_eq!(calls::segment_log(rt, 0, true), 0);
+        let p = malloc(rt, 40 * MIB, 0, Stream::DEFAULT);
+        assert_ne!(p, 0, "{}", last_error());
+        let ev = calls::segment_events(rt, 0, usize::MAX).unwrap();
+        let mapped: u64 = ev.iter().filter(|e| e.map).map(|e| e.size).sum();
+        assert!(ev.iter().all(|e| e.map) && mapped >= 40 * MIB, "{ev:?}");
+        assert!(
+            ev.iter().any(|e| e.addr <= p && p < e.addr + e.size),
+            "a map covers the allocation"
+        );
+        assert_eq!(doc(rt, 0)["stats"]["mapped"]["current"], mapped);
+        free(rt, p, 0, Stream::DEFAULT);
+        assert_eq!(calls::empty_cache(rt, 0), 0);
+        let ev = calls::segment_events(rt, 0, usize::MAX).unwrap();
+        let unmapped: u64 = ev.iter().filter(|e| !e.map).map(|e| e.size).sum();
+        assert_eq!(unmapped, mapped, "{ev:?}");
+        assert_eq!(calls::segment_log(rt, 0, false), 0);
+        let p = malloc(rt, 8 * MIB, 0, Stream::DEFAULT);
+        assert!(calls::segment_events(rt, 0, 10).unwrap().is_empty());
+        free(rt, p, 0, Stream::DEFAULT);
+        assert_eq!(calls::segment_log(rt, MAX_DEVICES as c_int, true), -1);
+        assert!(calls::segment_events(rt, -1, 1).is_err());
+        assert_eq!(doc(rt, 0)["segment_events_dropped"], 0);
     }
 
     /// Issue #12: an allocation on a capturing stream is refused (naming the missing

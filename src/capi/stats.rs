@@ -51,6 +51,8 @@ pub(super) struct StatsDoc<'a> {
     /// allocated (out of the pool) until that capture has ended (counted in
     /// `torch.allocated_bytes.all.current` too).
     pub graph_held_bytes: u64,
+    /// Segment events (`stitch_segment_events`) dropped because too many were unread.
+    pub segment_events_dropped: u64,
 }
 
 impl<'a> StatsDoc<'a> {
@@ -102,6 +104,7 @@ impl<'a> StatsDoc<'a> {
             stats,
             fragmentation,
             graph_held_bytes,
+            segment_events_dropped: 0,
         })
     }
 

@@ -286,6 +286,43 @@ static int run_main(void) {
     CHECK(stitch_device_stats(1, NULL, 0) == -1, "typed stats into NULL");
     stitch_free(t1, 0, 1, NULL);
 
+    /* The segment log: maps of an allocation made while it records, then the unmaps of
+       empty_cache, balancing; -1 for a bad device or a NULL buffer. */
+    CHECK(stitch_empty_cache(1) == 0, "empty_cache before the segment log");
+    CHECK(stitch_segment_log(1, 1) == 0, "segment log on");
+    {
+        struct stitch_segment_event ev[64];
+        void* sp = stitch_malloc(48 * MIB, 1, (void*)0x40);
+        CHECK(sp != NULL, "malloc with the segment log on");
+        ptrdiff_t n = stitch_segment_events(1, ev, 64);
+        uint64_t mapped = 0;
+        int covers = 0;
+        for (ptrdiff_t i = 0; i < n; i++) {
+            if (ev[i].action == 1) {
+                mapped += ev[i].size;
+                covers |= ev[i].addr <= (uint64_t)(uintptr_t)sp &&
+                          (uint64_t)(uintptr_t)sp < ev[i].addr + ev[i].size;
+            }
+        }
+        CHECK(n > 0 && covers, "a map event covers the new allocation");
+        stitch_free(sp, 0, 1, (void*)0x40);
+        CHECK(stitch_empty_cache(1) == 0, "empty_cache");
+        /* Everything still mapped on the device is unmapped by empty_cache, including what
+           was mapped before the log was on: at least the bytes mapped above come back. */
+        n = stitch_segment_events(1, ev, 64);
+        uint64_t unmapped = 0;
+        for (ptrdiff_t i = 0; i < n; i++) {
+            if (ev[i].action == 2) {
+                unmapped += ev[i].size;
+            }
+        }
+        CHECK(unmapped >= mapped, "unmap events after empty_cache");
+    }
+    CHECK(stitch_segment_log(1, 0) == 0, "segment log off");
+    CHECK(stitch_segment_log(100000, 1) == -1, "segment log of a bad device");
+    CHECK(stitch_segment_events(1, NULL, 4) == -1, "segment events into NULL");
+    CHECK(stitch_segment_events(1, NULL, 0) == 0, "no segment events once off");
+
     /* One physical handle per buffer (NCCL registration): usable memory, the handle count
        goes up by exactly one, freed with stitch_free; zero bytes is NULL. */
     stitch_clear_error();

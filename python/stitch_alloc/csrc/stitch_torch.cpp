@@ -75,6 +75,8 @@ struct Lib {
   double (*get_memory_fraction)(int) = nullptr;
   void* (*malloc_graph)(size_t, int, void*) = nullptr;
   int (*free_graph)(void*, int) = nullptr;
+  int (*segment_log)(int, int) = nullptr;
+  ptrdiff_t (*segment_events)(int, struct stitch_segment_event*, size_t) = nullptr;
   const char* (*last_error)() = nullptr;
   void (*clear_error)() = nullptr;
 
@@ -102,6 +104,8 @@ struct Lib {
     get(get_memory_fraction, "stitch_get_memory_fraction");
     get(malloc_graph, "stitch_malloc_graph");
     get(free_graph, "stitch_free_graph");
+    get(segment_log, "stitch_segment_log");
+    get(segment_events, "stitch_segment_events");
     get(last_error, "stitch_last_error");
     get(clear_error, "stitch_clear_error");
     if (!missing.empty()) {
@@ -207,6 +211,9 @@ class StitchAllocator final : public CCA::CUDAAllocator {
     if (mempool_id == kNoPool) {
       lib.reset();
     }
+    for (int d = 0; d < device_count_.load(); d++) {
+      drain_segments(static_cast<DeviceIndex>(d));
+    }
   }
 
   void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override {
@@ -311,6 +318,7 @@ class StitchAllocator final : public CCA::CUDAAllocator {
 
   void init(int device_count) override {
     lib.init(device_count);
+    device_count_.store(std::clamp(device_count, 0, static_cast<int>(kMaxDevices)));
     initialized_.store(true);
   }
 
@@ -570,6 +578,16 @@ class StitchAllocator final : public CCA::CUDAAllocator {
                      bool clearHistory, const std::vector<std::string>& skip_actions) override {
     std::lock_guard<std::mutex> g(mu_);
     record_history_ = enabled;
+    history_on_.store(enabled);
+    // The library records its maps and unmaps while the history is on (segment_map /
+    // segment_unmap entries); it touches no driver to do so.
+    int n = device_count_.load();
+    if (n == 0) {
+      n = static_cast<int>(c10::cuda::device_count());
+    }
+    for (int d = 0; d < n && d < static_cast<int>(kMaxDevices); d++) {
+      (void)lib.segment_log(d, enabled ? 1 : 0);
+    }
     context_recorder_ = enabled ? context_recorder : nullptr;
     record_when_ = enabled ? when : CDA::RecordContext::NEVER;
     trace_max_ = std::max<size_t>(alloc_trace_max_entries, 1);
@@ -711,8 +729,11 @@ class StitchAllocator final : public CCA::CUDAAllocator {
       return false;
     }
     lib.free(ptr, a.size, a.device, a.stream);
-    std::lock_guard<std::mutex> g(mu_);
-    record(CDA::TraceEntry::FREE_COMPLETED, a.device, ptr, a.size, a.stream, a.pool, nullptr);
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      record(CDA::TraceEntry::FREE_COMPLETED, a.device, ptr, a.size, a.stream, a.pool, nullptr);
+    }
+    drain_segments(a.device);
     return true;
   }
 
@@ -776,6 +797,7 @@ class StitchAllocator final : public CCA::CUDAAllocator {
     if (p == nullptr) {
       out_of_memory(n, device, stream, pool_id);
     }
+    drain_segments(device);
     std::lock_guard<std::mutex> g(mu_);
     Alloc a;
     a.size = n;
@@ -832,6 +854,35 @@ class StitchAllocator final : public CCA::CUDAAllocator {
     m += ".";
     TORCH_CHECK_WITH(OutOfMemoryError, false, m);
     std::abort();  // not reached: the check throws
+  }
+
+  // While the history is on: the library's maps and unmaps of `device` since the last call,
+  // as segment_map / segment_unmap trace entries. Takes mu_ itself (never call it holding
+  // mu_); never throws (it runs in frees).
+  void drain_segments(DeviceIndex device) noexcept {
+    if (!history_on_.load()) {
+      return;
+    }
+    struct stitch_segment_event buf[128];
+    for (;;) {
+      ptrdiff_t n = lib.segment_events(device, buf, 128);
+      if (n <= 0) {
+        return;
+      }
+      try {
+        std::lock_guard<std::mutex> g(mu_);
+        for (ptrdiff_t i = 0; i < n; i++) {
+          record(buf[i].action == 1 ? CDA::TraceEntry::SEGMENT_MAP : CDA::TraceEntry::SEGMENT_UNMAP,
+                 device, reinterpret_cast<void*>(buf[i].addr), static_cast<size_t>(buf[i].size),
+                 nullptr, kNoPool, nullptr);
+        }
+      } catch (...) {
+        return;  // out of memory for the trace: the entries are lost, the free goes on
+      }
+      if (n < 128) {
+        return;
+      }
+    }
   }
 
   // Caller holds mu_. A trace entry: to the trackers always, to the history when on.
@@ -946,6 +997,8 @@ class StitchAllocator final : public CCA::CUDAAllocator {
   std::vector<CCA::OutOfMemoryObserver> oom_observers_;
   std::vector<CCA::AllocatorTraceTracker> trace_trackers_;
   bool record_history_ = false;
+  std::atomic<bool> history_on_{false};  // record_history_, readable without mu_
+  std::atomic<int> device_count_{0};     // from init()
   CDA::CreateContextFn context_recorder_ = nullptr;
   CDA::RecordContext record_when_ = CDA::RecordContext::NEVER;
   size_t trace_max_ = 1;
