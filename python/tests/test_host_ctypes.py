@@ -271,3 +271,32 @@ def test_new_abi_functions_through_ctypes(lib):
     assert st.capacity <= cap // 2 and st.capacity > 0
     assert lib.stitch_get_memory_fraction(1) == 0.5
     assert lib.stitch_set_memory_fraction(1, 1.0) == 0
+
+
+def test_one_handle_allocation_and_segment_log(lib):
+    """Issue #14 (one physical handle per registered buffer) and #12 item 5 (the segment log
+    behind torch's segment_map entries), on the host backend: the map events of a one-handle
+    allocation show exactly one mapping covering it."""
+
+    class Ev(ctypes.Structure):
+        _fields_ = [("action", ctypes.c_uint64), ("addr", ctypes.c_uint64),
+                    ("size", ctypes.c_uint64)]
+
+    lib.stitch_segment_events.restype = ctypes.c_ssize_t
+    lib.stitch_segment_events.argtypes = [ctypes.c_int, ctypes.POINTER(Ev), ctypes.c_size_t]
+    stitch_alloc.empty_cache(0)
+    assert lib.stitch_segment_log(0, 1) == 0
+    size = 70 * MIB + 123
+    p = lib.stitch_malloc_one_handle(size, 0, None)
+    assert p, stitch_alloc.last_error()
+    ctypes.memset(p, 0x11, size)
+    buf = (Ev * 256)()
+    n = lib.stitch_segment_events(0, buf, 256)
+    maps = [(e.addr, e.size) for e in buf[:n] if e.action == 1]
+    over = [m for m in maps if m[0] < p + size and p < m[0] + m[1]]
+    assert len(over) == 1 and over[0][0] <= p and p + size <= over[0][0] + over[0][1], maps
+    lib.stitch_clear_error()
+    lib.stitch_free(p, size, 0, None)
+    assert stitch_alloc.last_error() == ""
+    assert lib.stitch_segment_log(0, 0) == 0
+    assert lib.stitch_segment_events(0, buf, 256) == 0
