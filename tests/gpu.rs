@@ -745,3 +745,73 @@ fn gpu_stream_capturing_sees_a_capture() {
     // SAFETY: balances the retain above.
     unsafe { sys::cuDevicePrimaryCtxRelease_v2(dev) };
 }
+
+/// The base and size of the driver's allocation containing `ptr` (`cuMemGetAddressRange`,
+/// what NCCL registration looks up), queried in device 0's primary context.
+fn cuda_address_range(ptr: u64) -> (u64, u64) {
+    use cudarc::driver::sys;
+    let mut dev: sys::CUdevice = 0;
+    let mut ctx: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: valid out-pointers; the driver is initialised (a `CudaDriver` was opened).
+    unsafe {
+        assert_eq!(sys::cuDeviceGet(&mut dev, 0), sys::CUresult::CUDA_SUCCESS);
+        assert_eq!(
+            sys::cuDevicePrimaryCtxRetain(&mut ctx, dev),
+            sys::CUresult::CUDA_SUCCESS
+        );
+        assert_eq!(sys::cuCtxPushCurrent_v2(ctx), sys::CUresult::CUDA_SUCCESS);
+    }
+    let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
+    // SAFETY: valid out-pointers; `ptr` is a live allocation of this process.
+    let r = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) };
+    let mut popped: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: balances the push and the retain above.
+    unsafe {
+        sys::cuCtxPopCurrent_v2(&mut popped);
+        sys::cuDevicePrimaryCtxRelease_v2(dev);
+    }
+    assert_eq!(
+        r,
+        sys::CUresult::CUDA_SUCCESS,
+        "cuMemGetAddressRange({ptr:#x})"
+    );
+    (base, size as u64)
+}
+
+/// Issue #14: a buffer from `alloc_one_handle` is one driver allocation (what NCCL
+/// user-buffer registration needs), also when the pool is fragmented so that an ordinary
+/// request of the same size gets a stitched span of several handles, which the driver
+/// reports as several allocations. The oracle is the driver's `cuMemGetAddressRange`.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-check.sh run)"]
+fn gpu_one_handle_buffer_is_one_driver_allocation() {
+    let Some(d) = gpu("gpu_one_handle_buffer_is_one_driver_allocation") else {
+        return;
+    };
+    let a = Allocator::new(d, Config::default().with_capacity(Capacity::Bytes(4 << 30))).unwrap();
+    let small: Vec<_> = (0..64).map(|_| a.alloc(24 * MIB, S).unwrap()).collect();
+    for p in small.iter().step_by(2) {
+        a.free(*p, S).unwrap();
+    }
+    let big = a.alloc(200 * MIB, S).unwrap();
+    let (b0, s0) = cuda_address_range(big.addr());
+    assert!(
+        b0 + s0 < big.addr() + 200 * MIB,
+        "the ordinary path gives a span of several allocations here: {b0:#x} + {s0}"
+    );
+    for size in [3 * MIB, 200 * MIB, 300 * MIB + 5] {
+        let p = a.alloc_one_handle(size, S).unwrap();
+        let (b, s) = cuda_address_range(p.addr());
+        assert!(
+            b <= p.addr() && p.addr() + size <= b + s,
+            "{size}: {b:#x} + {s}"
+        );
+        a.free(p, S).unwrap();
+    }
+    a.free(big, S).unwrap();
+    for p in small.into_iter().skip(1).step_by(2) {
+        a.free(p, S).unwrap();
+    }
+    a.validate().unwrap();
+    assert_eq!(a.shutdown().leaked_allocations, 0);
+}
