@@ -52,7 +52,8 @@ def ddp_rank(rank, world, alloc, steps, q):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
+    # A port per allocator: the three runs follow each other closely.
+    os.environ.setdefault("MASTER_PORT", str(29533 + ["default", "expandable", "stitch"].index(alloc)))
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world)
     torch.manual_seed(0)
@@ -75,8 +76,9 @@ def ddp_rank(rank, world, alloc, steps, q):
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        dist.all_reduce(loss.detach())
-        losses.append(float(loss) / world)
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)  # the sum over ranks
+        losses.append(float(mean) / world)
     torch.cuda.synchronize()
     el = time.time() - t0
     st = torch.cuda.memory_stats(rank)
