@@ -243,16 +243,25 @@ impl StitchPolicy {
             let x = &ctx.arena.blocks[b as usize];
             x.addr + x.size
         };
-        let build = |chosen, create, extend| {
-            Step::Build(BuildPlan {
-                chosen,
-                create: Create::Exact(create),
-                handle_size: hsize,
-                recreated: 0,
-                pool: Pool::Large,
-                extend,
-                short_without_room: false,
-            })
+        let span = |chosen, create, extend| BuildPlan {
+            chosen,
+            create: Create::Exact(create),
+            handle_size: hsize,
+            recreated: 0,
+            pool: Pool::Large,
+            extend,
+            short_without_room: false,
+        };
+        let build = |chosen, create, extend| Step::Build(span(chosen, create, extend));
+        // A stitch by re-creation: release the clean handles, then build the rest anew.
+        let recreated = |(release, keep, create, released, after): Recreate| {
+            [
+                Step::Release(release),
+                Step::Build(BuildPlan {
+                    recreated: released,
+                    ..span(keep, create, after)
+                }),
+            ]
         };
         let mut steps = Vec::new();
         if self.may_create(cfg, ctx.stats, rsize) {
@@ -292,13 +301,7 @@ impl StitchPolicy {
                         })
                     });
                     if let Some(Some(r)) = recreate {
-                        let (release, keep, create, released, after) = r;
-                        steps.push(Step::Release(release));
-                        let mut s = build(keep, create, after);
-                        if let Step::Build(p) = &mut s {
-                            p.recreated = released;
-                        }
-                        steps.push(s);
+                        steps.extend(recreated(r));
                         return steps;
                     }
                     steps.push(build(chosen, create, Some(b)));
@@ -320,13 +323,7 @@ impl StitchPolicy {
         if let Some(r) = recreate_steps(ctx, &chosen, need, create, |kept, create| {
             append_target(ctx, kept + create, &chosen)
         }) {
-            let (release, keep, create, released, after) = r;
-            steps.push(Step::Release(release));
-            let mut b = build(keep, create, after);
-            if let Step::Build(p) = &mut b {
-                p.recreated = released;
-            }
-            steps.push(b);
+            steps.extend(recreated(r));
             return steps;
         }
         let after = append_target(ctx, taken + create, &chosen);
@@ -460,20 +457,23 @@ pub(crate) fn handle_size(cfg: &Resolved, bytes: u64) -> u64 {
     pow2.saturating_mul(g).clamp(cfg.split_min, cfg.max_handle)
 }
 
+/// What [`recreate_steps`] plans: the handles to release, those to keep, the bytes to create,
+/// how many are released, and where to link the span.
+type Recreate = (Vec<Candidate>, Vec<Candidate>, u64, u64, Option<u32>);
+
 /// A stitch by re-creation (`Config::recreate`): with two or more clean handles to move,
 /// release them and create the span's memory anew (a release costs less than an unmap plus
 /// a SetAccess, and the span gets handles sized to this request); dirty handles and those
 /// with ghosts still move. Returns the handles to release, those to keep, the bytes to
 /// create, how many are released and where to link the span (`after(kept, create)`), or
 /// `None` when nothing is re-created.
-#[allow(clippy::type_complexity)]
 fn recreate_steps(
     ctx: &PlanContext<'_>,
     chosen: &[Candidate],
     need: u64,
     create: u64,
     after: impl FnOnce(u64, u64) -> Option<u32>,
-) -> Option<(Vec<Candidate>, Vec<Candidate>, u64, u64, Option<u32>)> {
+) -> Option<Recreate> {
     if !ctx.cfg.recreate {
         return None;
     }

@@ -344,11 +344,12 @@ fn a_free_tail_of_any_size_grows_with_the_new_memory() {
     e.teardown(&d);
 }
 
-#[test]
-fn a_stitched_span_is_linked_after_the_largest_clean_free_tail() {
+/// Contiguous growth, one handle per request: four 8 MiB spans, the second and fourth freed
+/// (clean), then a 3 MiB allocation `t` in a 4 MiB span whose top 1 MiB is a free tail.
+fn two_free_handles_and_a_free_tail(recreate: bool) -> (SimDriver, Engine, u64) {
     let mut cfg = Config::default().with_contiguous(true);
     cfg.handle_divisor = 1;
-    cfg.recreate = false;
+    cfg.recreate = recreate;
     let (d, mut e) = engine(cfg);
     let s = Stream::DEFAULT;
     let p: Vec<u64> = (0..4).map(|_| e.alloc(&d, 8 * M, s).unwrap()).collect();
@@ -356,6 +357,13 @@ fn a_stitched_span_is_linked_after_the_largest_clean_free_tail() {
     e.free(&d, p[1], s).unwrap();
     e.free(&d, p[3], s).unwrap();
     e.poll(&d, true).unwrap();
+    (d, e, t)
+}
+
+#[test]
+fn a_stitched_span_is_linked_after_the_largest_clean_free_tail() {
+    let (d, mut e, t) = two_free_handles_and_a_free_tail(false);
+    let s = Stream::DEFAULT;
     // 12 MiB: the two free 8 MiB handles are moved; with no room in the free blocks,
     // the span goes after the run's free tail (the highest run end).
     let got = plan(&e, Pool::Large, 12 * M);
@@ -375,15 +383,8 @@ fn a_tail_grown_from_two_free_handles_recreates_them() {
     // The checkerboard's last stitch grows a free tail: its free handles are released and
     // created anew (as a stitch into a new span is), not unmapped and remapped one by one
     // (modeled driver time of the checkerboard with contiguous growth: 2.9 s -> 1.06 s).
-    let mut cfg = Config::default().with_contiguous(true);
-    cfg.handle_divisor = 1;
-    let (d, mut e) = engine(cfg);
+    let (d, mut e, t) = two_free_handles_and_a_free_tail(true);
     let s = Stream::DEFAULT;
-    let p: Vec<u64> = (0..4).map(|_| e.alloc(&d, 8 * M, s).unwrap()).collect();
-    let t = e.alloc(&d, 3 * M, s).unwrap(); // a 4 MiB span: 1 MiB free tail at the top
-    e.free(&d, p[1], s).unwrap();
-    e.free(&d, p[3], s).unwrap();
-    e.poll(&d, true).unwrap();
     let got = plan(&e, Pool::Large, 17 * M);
     let [Step::Release(r), Step::Build(b)] = got.steps.as_slice() else {
         panic!("release then build expected: {got:?}")
