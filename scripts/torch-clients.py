@@ -50,7 +50,7 @@ import textwrap
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torchcases import prebuild_extension  # noqa: E402
+from torchcases import mode_of, prebuild_extension  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -422,19 +422,12 @@ def run_case(name, stitch, lib, timeout):
         tail = (err or out).strip().splitlines()[-4:]
         what = f"timed out after {timeout} s" if rc == "timeout" else f"exit {rc}"
         res = {"ok": False, "detail": f"{what}: " + " | ".join(tail)[:400]}
-    res.setdefault("mode", _mode(out))
+    res.setdefault("mode", mode_of(out))
     res["exit"] = rc
     res["wall"] = round(wall, 1)
     if not res["ok"]:
         res["stderr_tail"] = err[-3000:]
     return res
-
-
-def _mode(out):
-    for line in out.splitlines():
-        if line.startswith("MODE "):
-            return line[5:]
-    return "?"
 
 
 def _flat(x):

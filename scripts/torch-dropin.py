@@ -27,7 +27,7 @@ import textwrap
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torchcases import prebuild_extension  # noqa: E402
+from torchcases import mode_of, prebuild_extension  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -202,7 +202,7 @@ def run_case(name, stitch, lib, timeout):
                            timeout=timeout, env=env)
     except subprocess.TimeoutExpired as e:
         out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        return {"ok": False, "detail": f"timed out after {timeout} s", "mode": _mode(out),
+        return {"ok": False, "detail": f"timed out after {timeout} s", "mode": mode_of(out),
                 "seconds": time.time() - t0}
     res = None
     for line in r.stdout.splitlines():
@@ -211,17 +211,10 @@ def run_case(name, stitch, lib, timeout):
     if res is None:
         tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
         res = {"ok": False, "detail": f"exit {r.returncode}: " + " | ".join(tail)[:300]}
-    res["mode"] = _mode(r.stdout)
+    res["mode"] = mode_of(r.stdout)
     res["exit"] = r.returncode
     res["stderr_tail"] = r.stderr[-2000:]
     return res
-
-
-def _mode(out):
-    for line in out.splitlines():
-        if line.startswith("MODE "):
-            return line[5:]
-    return "?"
 
 
 def main():

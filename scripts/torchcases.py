@@ -1,6 +1,7 @@
 """What scripts/torch-dropin.py and scripts/torch-clients.py share: building the C++
 extension once, in a child process, before their cases run (so that no case's timeout
-includes the build and the parent never initialises CUDA)."""
+includes the build and the parent never initialises CUDA), and reading the mode a child
+reported."""
 import subprocess
 import sys
 import time
@@ -24,3 +25,11 @@ def prebuild_extension(pydir, timeout, fallback_note=""):
     print(f"extension build: {state} in {time.time() - t0:.0f} s"
           + ("" if built else "\n" + (err or out)[-3000:]), flush=True)
     return built, err[-4000:]
+
+
+def mode_of(out):
+    """The integration mode a child printed as its ``MODE <mode>`` line, or ``"?"``."""
+    for line in out.splitlines():
+        if line.startswith("MODE "):
+            return line[5:]
+    return "?"
