@@ -112,8 +112,8 @@ pub(super) fn free(rt: &Runtime, addr: u64, size: usize, device: c_int, stream: 
         release_held(a, slot, None);
         if slot.held.holds(addr) {
             return fail(
-                "freed already, during a CUDA graph capture (the block stays held for the \
-                 graph); not freed",
+                "freed already, during a CUDA graph capture (the block is held until that \
+                 capture has ended); not freed",
             );
         }
         if size != 0 {
