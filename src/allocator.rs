@@ -241,6 +241,43 @@ impl<D: Driver> Allocator<D> {
         r
     }
 
+    /// Make the live allocation at `ptr` shareable with another process (CUDA IPC, what
+    /// `torch.multiprocessing` needs): its physical handles are exported as POSIX file
+    /// descriptors, each once, kept open until the handle is released. The receiver maps
+    /// them with [`crate::ipc::open`]. Keep the allocation alive until every receiver has
+    /// closed it. Errors: a pointer that is not the start of a live allocation, a backend
+    /// that cannot export (the simulator; a GPU without POSIX-descriptor handles).
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use stitch_alloc::driver::{Driver, HostDriver, SimDriver};
+    /// use stitch_alloc::{ipc, Allocator, Config, Stream};
+    /// let a = Allocator::new(HostDriver::with_capacity(64 << 20).unwrap(), Config::default()).unwrap();
+    /// let p = a.alloc(3 << 20, Stream::DEFAULT).unwrap();
+    /// let s = a.share(p).unwrap();
+    /// assert_eq!(s, a.share(p).unwrap(), "the same message each time");
+    /// assert_eq!(ipc::Message::decode(&s.handle).unwrap().pid, std::process::id());
+    /// a.free(p, Stream::DEFAULT).unwrap();
+    /// let sim = Allocator::new(SimDriver::with_capacity(1 << 30), Config::default()).unwrap();
+    /// let q = sim.alloc(1 << 20, Stream::DEFAULT).unwrap();
+    /// assert!(sim.share(q).is_err(), "the simulator holds no memory to share");
+    /// # sim.free(q, Stream::DEFAULT).unwrap();
+    /// ```
+    pub fn share(&self, ptr: DevicePtr) -> Result<crate::ipc::SharedBlock> {
+        let mut e = self.engine.lock();
+        let r = e.share(&self.driver, ptr.0);
+        self.check(&e);
+        let x = r?;
+        Ok(crate::ipc::SharedBlock {
+            handle: crate::ipc::Message {
+                pid: std::process::id(),
+                pieces: x.pieces,
+            }
+            .encode(),
+            offset: x.offset,
+        })
+    }
+
     /// Free memory as clean: usable by every stream at once, with no event recorded. The
     /// caller guarantees that no work queued on the device uses it any more (for a CUDA
     /// graph's pool: after the device was synchronised once the graph was destroyed).

@@ -199,7 +199,7 @@ impl CostModel {
     /// bytes; sizes do not matter for the calls priced flat (reserve, events, `mem_info`).
     /// `set_access` is priced as a range holding one mapping of `size` bytes
     /// ([`CostModel::price_set_access`] prices a range of several). `None` for
-    /// [`DriverOp::Copy`], which the model does not price.
+    /// [`DriverOp::Copy`] and [`DriverOp::Share`], which the model does not price.
     pub fn price(&self, op: DriverOp, size: u64) -> Option<f64> {
         Some(match op {
             DriverOp::Reserve => self.reserve,
@@ -214,7 +214,7 @@ impl CostModel {
             DriverOp::WaitEvent => self.wait_event,
             DriverOp::DestroyEvent => self.destroy_event,
             DriverOp::MemInfo => self.mem_info,
-            DriverOp::Copy => return None,
+            DriverOp::Copy | DriverOp::Share => return None,
         })
     }
 
@@ -287,7 +287,7 @@ impl CostModel {
         let mut total = 0.0;
         for op in DriverOp::ALL {
             let us = match op {
-                DriverOp::Copy => continue,
+                DriverOp::Copy | DriverOp::Share => continue,
                 // Access is granted once per handle mapped.
                 DriverOp::SetAccess => c.get(DriverOp::Map) as f64 * self.set_access.midpoint(),
                 DriverOp::Create => c.get(op) as f64 * self.create.midpoint(),

@@ -78,6 +78,7 @@ pub mod cost;
 pub mod driver;
 mod engine;
 mod error;
+pub mod ipc;
 #[cfg(feature = "cli")]
 pub mod plot;
 #[cfg(feature = "cli")]

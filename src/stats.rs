@@ -131,6 +131,8 @@ pub struct Stats {
     pub handles_created: u64,
     /// Handles released.
     pub handles_released: u64,
+    /// Handles exported to other processes ([`crate::Allocator::share`]), each once.
+    pub handles_exported: u64,
     /// Current number of handles.
     pub handles: u64,
     /// Allocations that failed with `OutOfMemory`.
@@ -187,6 +189,7 @@ impl Stats {
         self.aliased_handles = 0;
         self.handles_created = 0;
         self.handles_released = 0;
+        self.handles_exported = 0;
         self.ooms = 0;
         self.event_waits = 0;
         self.calls = CallCounts::default();

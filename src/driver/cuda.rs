@@ -25,6 +25,7 @@ use super::{
 use cudarc::driver::sys;
 use parking_lot::Mutex;
 use std::ffi::{c_char, c_int, c_void, CStr};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 
@@ -77,6 +78,12 @@ static CAPTURE_SYMBOLS: SymbolGroup = SymbolGroup::new(&["cuThreadExchangeStream
 /// Host copies ([`Driver::write`] and [`Driver::read`], used by tests).
 static COPY_SYMBOLS: SymbolGroup =
     SymbolGroup::new(&["cuMemcpyHtoD_v2", "cuMemcpyDtoH_v2", "cuCtxSynchronize"]);
+
+/// Sharing with other processes ([`Driver::export`], [`Driver::import`]).
+static SHARE_SYMBOLS: SymbolGroup = SymbolGroup::new(&[
+    "cuMemExportToShareableHandle",
+    "cuMemImportFromShareableHandle",
+]);
 
 /// A group of optional libcuda symbols, probed once, on the first call that needs them.
 pub(crate) struct SymbolGroup {
@@ -304,6 +311,10 @@ pub struct CudaDriver {
     held: Mutex<Ledger>,
     driver_version: i32,
     device_name: String,
+    /// Whether the device supports POSIX file descriptors as shareable handles
+    /// (`CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED`): then every
+    /// handle is created exportable, so [`Driver::export`] can share it.
+    shareable: bool,
 }
 
 impl std::fmt::Debug for CudaDriver {
@@ -465,6 +476,16 @@ impl CudaDriver {
             ));
         }
 
+        let mut posix_fd: c_int = 0;
+        // SAFETY: as above. A driver that does not know the attribute leaves 0: not shareable.
+        let _ = unsafe {
+            sys::cuDeviceGetAttribute(
+                &mut posix_fd,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+                device,
+            )
+        };
+
         let mut name_buf = [0 as c_char; 256];
         // SAFETY: the buffer holds `len` bytes; the driver NUL-terminates within them.
         let name_ok =
@@ -528,6 +549,7 @@ impl CudaDriver {
             held: Mutex::new(Ledger::new(1, u64::MAX)),
             driver_version: info.driver_version,
             device_name,
+            shareable: posix_fd != 0,
         };
         let ctx = drv.bind(DriverOp::MemInfo)?;
         let prop = drv.prop();
@@ -600,11 +622,17 @@ impl CudaDriver {
     }
 
     /// The allocation property for `cuMemCreate` and the granularity query: pinned memory on
-    /// this device, no exportable handle type.
+    /// this device, exportable as a POSIX file descriptor where the device supports it (what
+    /// [`Driver::export`] needs; PyTorch's expandable segments request the same type).
     fn prop(&self) -> sys::CUmemAllocationProp {
+        let handle_type = if self.shareable {
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        } else {
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE
+        };
         sys::CUmemAllocationProp {
             type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
-            requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+            requestedHandleTypes: handle_type,
             location: sys::CUmemLocation {
                 type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
                 id: self.device,
@@ -958,6 +986,61 @@ impl Driver for CudaDriver {
         })?;
         self.held.lock().commit_release(handle);
         Ok(())
+    }
+
+    fn export(&self, handle: PhysHandle) -> DriverResult<OwnedFd> {
+        let op = DriverOp::Share;
+        SHARE_SYMBOLS.require(op)?;
+        if !self.shareable {
+            return Err(DriverError::new(
+                op,
+                code::NOT_SUPPORTED,
+                format!(
+                    "device {} does not support POSIX file descriptors as shareable handles",
+                    self.ordinal
+                ),
+            ));
+        }
+        self.check_handle(op, handle)?;
+        let _ctx = self.bind(op)?;
+        let mut fd: c_int = -1;
+        // SAFETY: `check_handle` found the handle held by this driver; it was created with
+        // the POSIX-descriptor type (`shareable`), for which the out-pointer is an `int`.
+        check(op, "cuMemExportToShareableHandle", unsafe {
+            sys::cuMemExportToShareableHandle(
+                (&mut fd as *mut c_int).cast(),
+                handle.raw(),
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                0,
+            )
+        })?;
+        if fd < 0 {
+            return Err(DriverError::new(
+                op,
+                code::INVALID_VALUE,
+                format!("cuMemExportToShareableHandle returned descriptor {fd}"),
+            ));
+        }
+        // SAFETY: the driver just opened `fd` for the caller; nothing else owns it.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
+    fn import(&self, fd: BorrowedFd<'_>, size: u64) -> DriverResult<PhysHandle> {
+        let op = DriverOp::Share;
+        SHARE_SYMBOLS.require(op)?;
+        let _ctx = self.bind(op)?;
+        let mut h: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: for the POSIX-descriptor type the handle argument is the descriptor itself,
+        // passed by value as a pointer-sized integer; it stays open for the call (borrowed).
+        check(op, "cuMemImportFromShareableHandle", unsafe {
+            sys::cuMemImportFromShareableHandle(
+                &mut h,
+                fd.as_raw_fd() as usize as *mut c_void,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            )
+        })?;
+        self.held.lock().commit_import_as(h, size);
+        Ok(PhysHandle::new(h))
     }
 
     fn map(&self, addr: DevAddr, size: u64, handle: PhysHandle) -> DriverResult<()> {

@@ -24,7 +24,7 @@ pub const INJECTABLE: [DriverOp; 10] = [
 struct Plan {
     on: bool,
     /// Calls of each kind so far.
-    seen: [u64; 13],
+    seen: [u64; DriverOp::ALL.len()],
     /// Fail the n-th call (1-based) of a kind.
     at: Vec<(DriverOp, u64)>,
     /// Fail each call of the listed kinds with this probability.
@@ -60,7 +60,7 @@ impl<D: Driver> FaultyDriver<D> {
             inner,
             plan: Mutex::new(Plan {
                 on: true,
-                seen: [0; 13],
+                seen: [0; DriverOp::ALL.len()],
                 at: Vec::new(),
                 prob: 0.0,
                 kinds: Vec::new(),

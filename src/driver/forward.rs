@@ -40,6 +40,7 @@ use super::{
     DevAddr, Driver, DriverError, DriverOp, DriverResult, EventId, MemInfo, PhysHandle,
     SimulatedWork, Stream,
 };
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::time::Instant;
 
 /// One driver call and its arguments, as the hooks of a [`Forward`] wrapper see it.
@@ -78,6 +79,10 @@ pub enum Call {
     Write { addr: DevAddr, len: u64 },
     /// [`Driver::read`] of `len` bytes.
     Read { addr: DevAddr, len: u64 },
+    /// [`Driver::export`].
+    Export { handle: PhysHandle },
+    /// [`Driver::import`] of a handle of `size` bytes.
+    Import { size: u64 },
 }
 
 impl Call {
@@ -97,6 +102,7 @@ impl Call {
             Call::WaitEvent { .. } => DriverOp::WaitEvent,
             Call::DestroyEvent { .. } => DriverOp::DestroyEvent,
             Call::Write { .. } | Call::Read { .. } => DriverOp::Copy,
+            Call::Export { .. } | Call::Import { .. } => DriverOp::Share,
         }
     }
 }
@@ -292,6 +298,19 @@ impl<F: Forward> Driver for F {
         hooked(self, Call::Read { addr, len }, |f| {
             f.forward_read(addr, buf)
         })
+    }
+    fn export(&self, handle: PhysHandle) -> DriverResult<OwnedFd> {
+        // The descriptor is no `Done`: `after` sees a unit result.
+        let call = Call::Export { handle };
+        self.before(&call)?;
+        let t0 = F::MEASURE.then(Instant::now);
+        let r = self.inner().export(handle);
+        let ns = t0.map_or(0, |t| t.elapsed().as_nanos() as u64);
+        self.after(&call, r.as_ref().map(|_| Done::Unit), ns);
+        r
+    }
+    fn import(&self, fd: BorrowedFd<'_>, size: u64) -> DriverResult<PhysHandle> {
+        hooked(self, Call::Import { size }, |f| f.inner().import(fd, size))
     }
     fn stream_capturing(&self, stream: Stream) -> DriverResult<bool> {
         self.forward_stream_capturing(stream)

@@ -30,7 +30,7 @@ use super::{
 };
 use parking_lot::Mutex;
 use std::collections::HashMap;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Default capacity of a host device: 16 GiB (memfd pages only cost RAM once touched).
@@ -334,6 +334,60 @@ impl Driver for HostDriver {
         s.fds.remove(&handle.0); // closes the memfd; its pages are freed with it
         s.ledger.commit_release(handle);
         Ok(())
+    }
+
+    /// A duplicate of the handle's memfd: another process that maps it sees the same bytes.
+    fn export(&self, handle: PhysHandle) -> DriverResult<OwnedFd> {
+        let mut s = self.state.lock();
+        s.ledger.calls.add(DriverOp::Share);
+        let fd = s.fds.get(&handle.0).ok_or_else(|| {
+            DriverError::new(
+                DriverOp::Share,
+                code::INVALID_HANDLE,
+                format!("unknown handle {}", handle.0),
+            )
+        })?;
+        fd.try_clone()
+            .map_err(|_| os_error(DriverOp::Share, "dup of a handle's memfd"))
+    }
+
+    /// Takes a duplicate of `fd`, which must be a memfd (or any file) of exactly `size` bytes.
+    fn import(&self, fd: BorrowedFd<'_>, size: u64) -> DriverResult<PhysHandle> {
+        let mut s = self.state.lock();
+        s.ledger.calls.add(DriverOp::Share);
+        if size == 0 || size % s.ledger.granularity != 0 {
+            return Err(DriverError::new(
+                DriverOp::Share,
+                code::INVALID_VALUE,
+                format!(
+                    "import of {size} bytes: not a positive multiple of the {}-byte granularity",
+                    s.ledger.granularity
+                ),
+            ));
+        }
+        // SAFETY: an all-zero `stat` is a valid value; fstat fills it or fails.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: `fd` is a valid open descriptor for the duration of the borrow.
+        if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+            return Err(os_error(DriverOp::Share, "fstat of an imported descriptor"));
+        }
+        if st.st_size as u64 != size {
+            return Err(DriverError::new(
+                DriverOp::Share,
+                code::INVALID_VALUE,
+                format!(
+                    "imported descriptor holds {} bytes, the sender said {size}",
+                    st.st_size
+                ),
+            ));
+        }
+        let fd = fd
+            .try_clone_to_owned()
+            .map_err(|_| os_error(DriverOp::Share, "dup of an imported descriptor"))?;
+        s.next_id += 1;
+        let id = s.next_id;
+        s.fds.insert(id, fd);
+        Ok(s.ledger.commit_import_as(id, size))
     }
 
     fn map(&self, addr: DevAddr, size: u64, handle: PhysHandle) -> DriverResult<()> {

@@ -35,6 +35,8 @@ pub(crate) struct HandleInfo {
     pub(crate) size: u64,
     /// Number of live mappings of this handle (CUDA allows aliases).
     pub(crate) maps: u32,
+    /// Imported from another process: its bytes are the exporter's, not in `used`.
+    pub(crate) imported: bool,
 }
 
 #[derive(Debug)]
@@ -199,16 +201,43 @@ impl Ledger {
 
     pub(crate) fn commit_create(&mut self, size: u64) -> PhysHandle {
         self.next_handle += 1;
-        self.handles
-            .insert(self.next_handle, HandleInfo { size, maps: 0 });
+        self.handles.insert(
+            self.next_handle,
+            HandleInfo {
+                size,
+                maps: 0,
+                imported: false,
+            },
+        );
         self.used += size;
         PhysHandle::new(self.next_handle)
     }
 
     /// Like `commit_create` but with a handle id the backend chose (the host uses fds).
     pub(crate) fn commit_create_as(&mut self, id: u64, size: u64) -> PhysHandle {
-        self.handles.insert(id, HandleInfo { size, maps: 0 });
+        self.handles.insert(
+            id,
+            HandleInfo {
+                size,
+                maps: 0,
+                imported: false,
+            },
+        );
         self.used += size;
+        PhysHandle::new(id)
+    }
+
+    /// Record a handle imported from another process under the id the backend chose; it
+    /// takes nothing from the capacity (the exporter's device holds its memory).
+    pub(crate) fn commit_import_as(&mut self, id: u64, size: u64) -> PhysHandle {
+        self.handles.insert(
+            id,
+            HandleInfo {
+                size,
+                maps: 0,
+                imported: true,
+            },
+        );
         PhysHandle::new(id)
     }
 
@@ -230,7 +259,9 @@ impl Ledger {
 
     pub(crate) fn commit_release(&mut self, h: PhysHandle) {
         if let Some(i) = self.handles.remove(&h.0) {
-            self.used -= i.size;
+            if !i.imported {
+                self.used -= i.size;
+            }
         }
     }
 

@@ -45,6 +45,7 @@ pub use streams::WorkId;
 
 use serde::Serialize;
 use std::fmt;
+use std::os::fd::{BorrowedFd, OwnedFd};
 
 /// A device virtual address.
 pub type DevAddr = u64;
@@ -222,11 +223,15 @@ pub enum DriverOp {
     MemInfo,
     /// Host/device copies used by tests (`cuMemcpyHtoD`/`DtoH`).
     Copy,
+    /// Sharing between processes: `cuMemExportToShareableHandle` (a handle as a POSIX file
+    /// descriptor) and `cuMemImportFromShareableHandle` (see [`crate::ipc`]). Not priced by
+    /// the cost model: replays never share.
+    Share,
 }
 
 impl DriverOp {
     /// Every kind, in a fixed order (the order of [`CallCounts`]).
-    pub const ALL: [DriverOp; 13] = [
+    pub const ALL: [DriverOp; 14] = [
         DriverOp::Reserve,
         DriverOp::FreeReservation,
         DriverOp::Create,
@@ -240,6 +245,7 @@ impl DriverOp {
         DriverOp::DestroyEvent,
         DriverOp::MemInfo,
         DriverOp::Copy,
+        DriverOp::Share,
     ];
 
     /// The snake_case name used in JSON reports (`"set_access"`, ...).
@@ -258,6 +264,7 @@ impl DriverOp {
             DriverOp::DestroyEvent => "destroy_event",
             DriverOp::MemInfo => "mem_info",
             DriverOp::Copy => "copy",
+            DriverOp::Share => "share",
         }
     }
 }
@@ -280,7 +287,7 @@ impl fmt::Display for DriverOp {
 /// assert!(format!("{c:?}").contains("map: 1"));
 /// ```
 #[derive(Copy, Clone, Default, PartialEq, Eq)]
-pub struct CallCounts([u64; 13]);
+pub struct CallCounts([u64; DriverOp::ALL.len()]);
 
 impl std::fmt::Debug for CallCounts {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -450,6 +457,31 @@ pub trait Driver: Send + Sync {
     /// and returns `mode`.
     fn exchange_capture_mode(&self, mode: CaptureMode) -> DriverResult<CaptureMode> {
         Ok(mode)
+    }
+    /// Export `handle` as a POSIX file descriptor that another process can import
+    /// (`cuMemExportToShareableHandle`); the descriptor is the caller's to keep or close, and
+    /// the handle stays this driver's. Backends that cannot share (the simulator; a GPU whose
+    /// handles were created without the POSIX-descriptor type) return `NOT_SUPPORTED`, the
+    /// default.
+    fn export(&self, handle: PhysHandle) -> DriverResult<OwnedFd> {
+        let _ = handle;
+        Err(DriverError::new(
+            DriverOp::Share,
+            code::NOT_SUPPORTED,
+            "this backend cannot export handles to other processes",
+        ))
+    }
+    /// Import a handle of `size` bytes that another process exported as `fd`
+    /// (`cuMemImportFromShareableHandle`). The new handle is this driver's, mapped and
+    /// released like a created one; its memory stays counted by the exporter (an import
+    /// takes nothing from this driver's capacity). `fd` is only read.
+    fn import(&self, fd: BorrowedFd<'_>, size: u64) -> DriverResult<PhysHandle> {
+        let _ = (fd, size);
+        Err(DriverError::new(
+            DriverOp::Share,
+            code::NOT_SUPPORTED,
+            "this backend cannot import handles from other processes",
+        ))
     }
     /// Whether [`Driver::write`] and [`Driver::read`] work.
     fn has_data(&self) -> bool {

@@ -18,6 +18,9 @@ pub(crate) struct HandleRecord {
     pub(crate) at: Option<u64>,
     /// Old mappings of it still among the ghosts; it may be released only at 0.
     pub(crate) ghosts: u32,
+    /// Its descriptor once exported to other processes (`share.rs`); closed when the record
+    /// goes, that is when the handle is released.
+    pub(crate) exported: Option<std::os::fd::OwnedFd>,
 }
 
 /// Sums over the handles, for the engine's cross-checks.
@@ -58,6 +61,7 @@ impl Handles {
             size,
             at: None,
             ghosts: 0,
+            exported: None,
         });
         if let Some(h) = self.free_ids.pop() {
             self.records[h as usize] = rec;

@@ -33,6 +33,7 @@ mod maintenance;
 mod placement;
 mod policy;
 mod report;
+mod share;
 mod single;
 mod span;
 mod va;
