@@ -298,6 +298,35 @@ ptrdiff_t stitch_segment_events(int device, struct stitch_segment_event* out, si
 void* stitch_malloc_one_handle(size_t size, int device, void* stream);
 
 /*
+ * CUDA IPC (torch.multiprocessing). Make the live allocation at `ptr` (from stitch_malloc,
+ * any device) shareable with another process: its physical handles are exported as POSIX
+ * file descriptors (each once, kept open until the handle is released) and described in a
+ * message for stitch_ipc_open. Keep the allocation alive until every receiver has closed it.
+ * Writes the message to `out` when it fits in `cap` bytes and returns its length; when it
+ * does not fit, writes nothing and returns the length needed. `*offset` (when not NULL)
+ * gets where the allocation starts in the range the receiver maps. -1 on error (not a live
+ * allocation's start; a backend or device that cannot export handles): stitch_last_error.
+ */
+ptrdiff_t stitch_share(void* ptr, uint8_t* out, size_t cap, uint64_t* offset);
+
+/*
+ * Map on `device` the memory a stitch_share message describes: each handle is fetched from
+ * the sender with pidfd_getfd (the sender must be alive; the receiver needs ptrace rights
+ * over it: same user), imported and mapped side by side with read-write access. Writes the
+ * mapping's base to `*out` (the shared allocation is at base + the sender's offset); 0, or
+ * -1 on error with nothing left behind. The same message on the same device gives the same
+ * base and counts one more user. The memory is the sender's: not in this process's stats.
+ */
+int stitch_ipc_open(int device, const uint8_t* message, size_t len, void** out);
+
+/*
+ * One user of a stitch_ipc_open mapping is done; the last one unmaps it and releases its
+ * imported handles. Synchronise the work that used it first. 0, or -1 for a pointer that is
+ * not an open mapping's base.
+ */
+int stitch_ipc_close(void* ptr);
+
+/*
  * CUDA graph private pools. Allocate `size` bytes on `device` for use on `stream`, which may
  * be capturing a graph (unlike stitch_malloc, which refuses a capturing stream): only clean
  * free memory (no stream's queued work may still use it) or newly created memory is used;

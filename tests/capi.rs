@@ -219,3 +219,18 @@ fn c_abi_fails_cleanly_in_a_forked_child() {
     // Each child said it once on stderr.
     assert!(err.contains("used in a forked child"), "{err}");
 }
+
+#[test]
+fn c_abi_ipc_between_two_processes() {
+    if !source_tree("c_abi_ipc_between_two_processes") {
+        return;
+    }
+    let (ok, out, err) = run(
+        &["ipc"],
+        "backend:host,capacity_bytes:256MiB,log:warn,max_handle:4MiB",
+    );
+    assert!(ok, "the C test failed:\n{out}\n{err}");
+    assert!(out.contains(" passed, 0 failed"), "{out}");
+    assert!(out.contains("ok   child: sees the parent's bytes"), "{out}");
+    assert!(out.contains("ok   parent: sees the child's bytes"), "{out}");
+}

@@ -27,10 +27,15 @@
 //!   up in the allocator's tables, so freeing an unknown pointer, a pointer inside an
 //!   allocation or the same pointer twice is an error report, never undefined behaviour.
 //!
-//! One function here has a safety precondition: [`stitch_device_stats`] writes the typed
-//! statistics into the caller's struct (it never reads through it); no other reads or
-//! writes through a pointer it is given. `#[no_mangle]` and that copy are the reasons this
-//! module is not under `forbid(unsafe_code)` (its submodules are, but `fork`, whose
+//! * `ipc`: CUDA IPC, [`stitch_share`] on the sender and [`stitch_ipc_open`] /
+//!   [`stitch_ipc_close`] on the receiver, over [`crate::ipc`].
+//!
+//! Four functions here have a safety precondition, on buffers the caller passes:
+//! [`stitch_device_stats`] and [`stitch_segment_events`] write into the caller's structs,
+//! [`stitch_share`] writes the message into the caller's buffer and [`stitch_ipc_open`]
+//! reads one from it; none reads or writes through any other pointer it is given.
+//! `#[no_mangle]` and those copies are the reasons this module is not under
+//! `forbid(unsafe_code)` (its submodules are, but `fork`, whose
 //! `pthread_atfork` and `write(2)` are `unsafe` calls).
 
 mod calls;
@@ -38,6 +43,7 @@ mod capture;
 mod conf;
 mod fork;
 mod guard;
+mod ipc;
 mod runtime;
 mod segments;
 mod stats;
@@ -238,6 +244,120 @@ pub extern "C" fn stitch_malloc_one_handle(
 pub extern "C" fn stitch_free(ptr: *mut c_void, size: usize, device: c_int, stream: *mut c_void) {
     on_runtime("stitch_free", (), |rt| {
         calls::free(rt, ptr_to_u64(ptr), size, device, torch_stream(stream))
+    })
+}
+
+/// Make the live allocation at `ptr` (as returned by [`stitch_malloc`], on any device)
+/// shareable with another process: CUDA IPC, what `torch.multiprocessing` needs. Its
+/// physical handles are exported as POSIX file descriptors (each once, kept open until the
+/// handle is released) and described in a message for [`stitch_ipc_open`]. Keep the
+/// allocation alive until every receiver has closed it.
+///
+/// Writes the message to `out` when it fits in `cap` bytes and returns its length; when it
+/// does not fit, writes nothing and returns the length needed (call again with a larger
+/// buffer). `*offset` (when not NULL) gets where the allocation starts in the range the
+/// receiver maps. -1 on error (not a live allocation's start, a backend or device that
+/// cannot export handles): see [`stitch_last_error`].
+///
+/// # Safety
+/// `out` must point to `cap` writable bytes (it may be NULL when `cap` is 0); `offset` must
+/// be NULL or point to a writable `uint64_t`.
+#[no_mangle]
+pub unsafe extern "C" fn stitch_share(
+    ptr: *mut c_void,
+    out: *mut u8,
+    cap: usize,
+    offset: *mut u64,
+) -> isize {
+    on_runtime("stitch_share", -1, |rt| {
+        if out.is_null() && cap > 0 {
+            guard::set_last_error("stitch_share: out is NULL");
+            return -1;
+        }
+        match ipc::share(rt, ptr_to_u64(ptr)) {
+            Ok((msg, off)) => {
+                if msg.len() <= cap {
+                    // SAFETY: the caller guarantees `out` holds `cap` bytes, and
+                    // `msg.len() <= cap`; the buffers cannot overlap (`msg` is ours).
+                    unsafe { std::ptr::copy_nonoverlapping(msg.as_ptr(), out, msg.len()) };
+                    if !offset.is_null() {
+                        // SAFETY: the caller guarantees a non-NULL `offset` is writable.
+                        unsafe { offset.write(off) };
+                    }
+                }
+                msg.len() as isize
+            }
+            Err(m) => {
+                guard::report(
+                    tracing::Level::WARN,
+                    &format!("stitch_share(ptr={ptr:p}): {m}"),
+                );
+                -1
+            }
+        }
+    })
+}
+
+/// Map, on `device`, the memory that a message of [`stitch_share`] from another process (or
+/// this one) describes: each handle is fetched from the sender with `pidfd_getfd` (the
+/// sender must be alive; the receiver needs ptrace rights over it: same user), imported,
+/// and mapped side by side with read-write access. Writes the base of the mapping to `*out`
+/// (the shared allocation is at base + the sender's offset) and returns 0; -1 on error
+/// (malformed message, sender gone, no right to its descriptors, driver failure), with
+/// nothing left behind. The same message on the same device gives the same base again and
+/// counts one more user. The memory is the sender's: this process's statistics do not count
+/// it.
+///
+/// # Safety
+/// `message` must point to `len` readable bytes; `out` must point to a writable pointer.
+#[no_mangle]
+pub unsafe extern "C" fn stitch_ipc_open(
+    device: c_int,
+    message: *const u8,
+    len: usize,
+    out: *mut *mut c_void,
+) -> c_int {
+    on_runtime("stitch_ipc_open", -1, |rt| {
+        if message.is_null() || out.is_null() {
+            guard::set_last_error("stitch_ipc_open: message or out is NULL");
+            return -1;
+        }
+        // SAFETY: the caller guarantees `message` holds `len` readable bytes.
+        let msg = unsafe { std::slice::from_raw_parts(message, len) };
+        match ipc::open(rt, device, msg) {
+            Ok(base) => {
+                // SAFETY: the caller guarantees `out` is writable.
+                unsafe { out.write(u64_to_ptr(base)) };
+                0
+            }
+            Err(m) => {
+                guard::report(
+                    tracing::Level::WARN,
+                    &format!("stitch_ipc_open(device={device}): {m}"),
+                );
+                -1
+            }
+        }
+    })
+}
+
+/// One user of a mapping from [`stitch_ipc_open`] is done with it; when the last one is,
+/// it is unmapped and its imported handles released. Synchronise the work that used it
+/// first (unmapping memory that queued work still reads is a use-after-free). 0, or -1 for
+/// a pointer that is not an open mapping's base (reported).
+#[no_mangle]
+pub extern "C" fn stitch_ipc_close(ptr: *mut c_void) -> c_int {
+    on_runtime("stitch_ipc_close", -1, |rt| {
+        match ipc::close(rt, ptr_to_u64(ptr)) {
+            Ok(()) => 0,
+            Err(m) => {
+                guard::report(
+                    tracing::Level::WARN,
+                    &format!("stitch_ipc_close(ptr={ptr:p}): {m}"),
+                );
+                -1
+            }
+        }
     })
 }
 

@@ -12,6 +12,11 @@
  *       last allocation.
  *   test_capi badconf NEEDLE   with an invalid STITCH_ALLOC_CONF: every call fails cleanly
  *       and the last error contains NEEDLE.
+ *   test_capi ipc       CUDA IPC on the host backend: shares a 9 MiB allocation made of
+ *       several handles (max_handle:4MiB) and runs itself again (fork + exec: a fresh process)
+ *       as "ipc_child MESSAGE-HEX OFFSET", which opens it, checks the parent's bytes, writes
+ *       its own, opens it twice more (the same base), closes it; the parent then reads the
+ *       child's bytes. Also the bad inputs of stitch_share / stitch_ipc_open / _close.
  *   test_capi fork      forks (20 times) while another thread allocates and frees without
  *       pause; in each child every call must fail at once with "forked child" (a 10 s alarm
  *       turns a hang into a failure).
@@ -496,6 +501,77 @@ static int child_calls(void* parent_block) {
     return bad;
 }
 
+static int run_ipc_child(const char* hex, const char* off) {
+    size_t len = strlen(hex) / 2;
+    uint8_t* msg = malloc(len);
+    for (size_t i = 0; i < len; i++) {
+        unsigned v = 0;
+        sscanf(hex + 2 * i, "%2x", &v);
+        msg[i] = (uint8_t)v;
+    }
+    uint64_t offset = strtoull(off, NULL, 10);
+    void* base = NULL;
+    CHECK(stitch_ipc_open(0, msg, len, &base) == 0 && base != NULL, "child: ipc_open");
+    if (base == NULL) {
+        return 1;
+    }
+    unsigned char* p = (unsigned char*)base + offset;
+    CHECK(verify(p, 9 * MIB, 11), "child: sees the parent's bytes");
+    fill(p, 9 * MIB, 42);
+    void* again = NULL;
+    CHECK(stitch_ipc_open(0, msg, len, &again) == 0 && again == base,
+          "child: the same message gives the same base");
+    CHECK(stitch_ipc_close(base) == 0, "child: close (one user left)");
+    CHECK(verify(p, 9 * MIB, 42), "child: still mapped for the other user");
+    CHECK(stitch_ipc_close(base) == 0, "child: close (the last user unmaps)");
+    CHECK(stitch_ipc_close(base) == -1 && error_has("not a mapping"),
+          "child: a third close is refused");
+    msg[3] ^= 0xff;
+    void* bad = NULL;
+    CHECK(stitch_ipc_open(0, msg, len, &bad) == -1 && bad == NULL && error_has("IPC handle"),
+          "child: a corrupted message is refused");
+    CHECK(stitch_ipc_open(0, msg, 10, &bad) == -1, "child: a truncated message is refused");
+    free(msg);
+    return 0;
+}
+
+static int run_ipc(const char* self) {
+    void* block = stitch_malloc(9 * MIB, 0, NULL);
+    CHECK(block != NULL, "parent: a 9 MiB allocation");
+    fill(block, 9 * MIB, 11);
+    uint64_t offset = 77;
+    ptrdiff_t need = stitch_share(block, NULL, 0, &offset);
+    CHECK(need > 18 && offset == 77, "parent: share with no room says the length, writes nothing");
+    uint8_t msg[4096];
+    ptrdiff_t n = stitch_share(block, msg, sizeof msg, &offset);
+    CHECK(n == need && offset < 4 * MIB, "parent: share");
+    CHECK((n - 18) / 12 >= 3, "parent: the block spans several handles");
+    CHECK(stitch_share((char*)block + 512, msg, sizeof msg, NULL) == -1 &&
+              error_has("not the start of a live allocation"),
+          "parent: share of an interior pointer is refused");
+    CHECK(stitch_share(NULL, msg, sizeof msg, NULL) == -1, "parent: share of NULL is refused");
+    char* hex = malloc(2 * (size_t)n + 1);
+    for (ptrdiff_t i = 0; i < n; i++) {
+        sprintf(hex + 2 * i, "%02x", msg[i]);
+    }
+    char off[32];
+    snprintf(off, sizeof off, "%llu", (unsigned long long)offset);
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid == 0) {
+        execl(self, self, "ipc_child", hex, off, (char*)NULL);
+        _exit(127);
+    }
+    int status = 0;
+    waitpid(pid, &status, 0);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "the child process passed");
+    CHECK(verify(block, 9 * MIB, 42), "parent: sees the child's bytes");
+    free(hex);
+    stitch_free(block, 0, 0, NULL);
+    CHECK(stitch_empty_cache(0) == 0, "parent: free and empty_cache after sharing");
+    return 0;
+}
+
 static int run_fork(void) {
     void* block = stitch_malloc(MIB, 0, NULL);
     CHECK(block != NULL, "an allocation in the parent");
@@ -539,10 +615,14 @@ int main(int argc, char** argv) {
         rc = run_sim();
     } else if (strcmp(mode, "fork") == 0) {
         rc = run_fork();
+    } else if (strcmp(mode, "ipc") == 0) {
+        rc = run_ipc(argv[0]);
+    } else if (strcmp(mode, "ipc_child") == 0 && argc > 3) {
+        rc = run_ipc_child(argv[2], argv[3]);
     } else if (strcmp(mode, "badconf") == 0 && argc > 2) {
         rc = run_badconf(argv[2]);
     } else {
-        fprintf(stderr, "usage: %s main | sim | fork | badconf NEEDLE\n", argv[0]);
+        fprintf(stderr, "usage: %s main | sim | fork | ipc | badconf NEEDLE\n", argv[0]);
         return 2;
     }
     printf("%d passed, %d failed\n", passed, failed);
