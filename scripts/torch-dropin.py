@@ -115,20 +115,24 @@ CASES = {
                f"dump {os.path.getsize(path)} B")
     """,
     "ipc_share": """
-        from torch.multiprocessing.reductions import reduce_tensor
-        t = torch.ones(1 << 20, device="cuda")
-        err = None
-        try:
-            reduce_tensor(t)
-        except Exception as e:  # noqa: BLE001
-            err = f"{type(e).__name__}: {e}"
-        y = (t * 2).sum().item()
+        # Two processes (scripts/torch-ipc.py: a spawned child under the same allocator).
+        import subprocess
+        env = dict(os.environ)
+        env.pop("STITCH_IPC_LIB", None)
         if STITCH:
-            ok = err is not None and "stitch-alloc" in err and y == float(2 << 20)
+            env["STITCH_IPC_LIB"] = stitch_alloc.find_library({lib!r})
+        r = subprocess.run([sys.executable, os.path.join({here!r}, "torch-ipc.py")],
+                           capture_output=True, text=True, timeout=300, env=env)
+        res = next((json.loads(l[7:]) for l in r.stdout.splitlines() if l.startswith("RESULT ")),
+                   None)
+        if res is None:
+            result(False, "exit %d: %s" % (r.returncode, (r.stderr or r.stdout)[-300:]))
         else:
-            ok = err is None
-        result(ok, ("shared" if err is None else "error: " + err.replace(chr(10), " ")[:160])
-               + f"; process goes on: {y == float(2 << 20)}")
+            c = res.get("child", {{}})
+            result(res["ok"], f"child [{{c.get('mode')}}] read the sum and view: "
+                   f"{{'error' not in c}}, parent saw the child's writes: "
+                   f"{{res.get('child_writes_seen')}}" + (f"; {{res.get('error') or c.get('error')}}"
+                   if not res["ok"] else ""))
     """,
     "graph_pool_no_corruption": """
         x = torch.randn(1 << 20, device="cuda")
@@ -194,7 +198,10 @@ print("MODE " + str(mode), flush=True)
 
 
 def run_case(name, stitch, lib, timeout):
-    code = PREAMBLE.format(stitch=stitch, pydir=PYDIR, lib=lib) + textwrap.dedent(CASES[name])
+    body = textwrap.dedent(CASES[name])
+    if name == "ipc_share":
+        body = body.format(lib=lib, here=HERE)
+    code = PREAMBLE.format(stitch=stitch, pydir=PYDIR, lib=lib) + body
     env = dict(os.environ)
     t0 = time.time()
     try:

@@ -503,3 +503,26 @@ def test_default_capacity_is_the_free_memory(libpath):
     )
     assert res["capacity"] <= res["free"], res
     assert res["capacity"] < res["total"], res
+
+
+def test_extension_shares_cuda_tensors_with_a_spawned_process(libpath):
+    """Issue #12, item 6: torch.multiprocessing shares a CUDA tensor and a view of it with
+    a spawned child running stitch-alloc too; the child reads the parent's values and the
+    parent sees the child's writes (scripts/torch-ipc.py; the handles travel as POSIX file
+    descriptors fetched with pidfd_getfd)."""
+    import os
+
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "torch-ipc.py")
+    env = subprocess_env(libpath, "backend:cuda,log:warn")
+    env["STITCH_IPC_LIB"] = libpath
+    env["STITCH_ALLOC_TORCH_EXT"] = "1"
+    r = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True,
+                       timeout=400)
+    print(r.stdout)
+    print(r.stderr, file=sys.stderr)
+    lines = [l for l in r.stdout.splitlines() if l.startswith("RESULT ")]
+    assert lines, f"exit {r.returncode}:\n{r.stdout}\n{r.stderr}"
+    res = json.loads(lines[-1][len("RESULT ") :])
+    assert res["mode"] == "extension" and res["child"].get("mode") == "extension", res
+    assert res["ok"], res
+    assert res["after"] == float(1 << 20), res

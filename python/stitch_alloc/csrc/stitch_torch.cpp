@@ -77,6 +77,9 @@ struct Lib {
   int (*free_graph)(void*, int) = nullptr;
   int (*segment_log)(int, int) = nullptr;
   ptrdiff_t (*segment_events)(int, struct stitch_segment_event*, size_t) = nullptr;
+  ptrdiff_t (*share)(void*, uint8_t*, size_t, uint64_t*) = nullptr;
+  int (*ipc_open)(int, const uint8_t*, size_t, void**) = nullptr;
+  int (*ipc_close)(void*) = nullptr;
   const char* (*last_error)() = nullptr;
   void (*clear_error)() = nullptr;
 
@@ -106,6 +109,9 @@ struct Lib {
     get(free_graph, "stitch_free_graph");
     get(segment_log, "stitch_segment_log");
     get(segment_events, "stitch_segment_events");
+    get(share, "stitch_share");
+    get(ipc_open, "stitch_ipc_open");
+    get(ipc_close, "stitch_ipc_close");
     get(last_error, "stitch_last_error");
     get(clear_error, "stitch_clear_error");
     if (!missing.empty()) {
@@ -551,22 +557,65 @@ class StitchAllocator final : public CCA::CUDAAllocator {
     return live == expected.size();
   }
 
-  CCA::ShareableHandle shareIpcHandle(void*) override {
-    TORCH_CHECK(false,
-                "stitch-alloc does not support sharing CUDA tensors between processes "
-                "(CUDA IPC, torch.multiprocessing): its memory is mapped with cuMemCreate/"
-                "cuMemMap, and exporting it would need the handles shared as POSIX file "
-                "descriptors (shareIpcHandle/getIpcDevPtr are not implemented). Share a CPU "
-                "tensor, or run the producer under the default allocator.");
-    return {};  // not reached
+  // CUDA IPC (torch.multiprocessing). The sender's handles are exported as POSIX file
+  // descriptors by the library (stitch_share); the message starts with torch's handle
+  // version byte and a type byte of our own, so torch's own allocator refuses it instead of
+  // misreading it. The receiver maps it with stitch_ipc_open (cached per message there).
+  CCA::ShareableHandle shareIpcHandle(void* ptr) override {
+    lib.clear_error();
+    ptrdiff_t need = lib.share(ptr, nullptr, 0, nullptr);
+    TORCH_CHECK(need > 0, "stitch-alloc: cannot share ", ptr,
+                " with another process (CUDA IPC): ", lib.error());
+    std::string h(static_cast<size_t>(need), '\0');
+    uint64_t offset = 0;
+    ptrdiff_t n = lib.share(ptr, reinterpret_cast<uint8_t*>(&h[0]), h.size(), &offset);
+    TORCH_CHECK(n == need, "stitch-alloc: sharing ", ptr, " (CUDA IPC): ", lib.error());
+    return CCA::ShareableHandle{static_cast<ptrdiff_t>(offset), std::move(h)};
   }
 
-  std::shared_ptr<void> getIpcDevPtr(std::string) override {
-    TORCH_CHECK(false,
-                "stitch-alloc does not support opening CUDA IPC handles (getIpcDevPtr): "
-                "sharing CUDA tensors between processes is not implemented");
-    return nullptr;  // not reached
+  // A message of stitch_share (from a process running stitch-alloc) is opened by the
+  // library; any other handle came from torch's own allocator in the sender (cudaMalloc or
+  // expandable segments) and is opened by torch's own allocator here, as it would be without
+  // stitch-alloc. The returned pointer's deleter synchronises the device before the last
+  // user unmaps (torch's deleter decrements the sender's reference count only after it).
+  std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
+    if (handle.size() < 2 || handle[0] != 2 || handle[1] != 'S') {
+      TORCH_CHECK(native_ != nullptr,
+                  "stitch-alloc: a CUDA IPC handle from torch's own allocator, and torch's "
+                  "allocator was not kept to open it");
+      {
+        std::lock_guard<std::mutex> g(native_mu_);
+        if (!native_->initialized()) {
+          native_->init(static_cast<int>(c10::cuda::device_count()));
+        }
+      }
+      return native_->getIpcDevPtr(std::move(handle));
+    }
+    DeviceIndex device = c10::cuda::current_device();
+    void* base = nullptr;
+    lib.clear_error();
+    int r = lib.ipc_open(device, reinterpret_cast<const uint8_t*>(handle.data()), handle.size(),
+                         &base);
+    TORCH_CHECK(r == 0 && base != nullptr,
+                "stitch-alloc: cannot open a CUDA IPC handle on device ", int(device), ": ",
+                lib.error());
+    return std::shared_ptr<void>(base, [device](void* p) {
+      c10::cuda::CUDAGuard guard(device);
+      cudaError_t e = cudaDeviceSynchronize();
+      if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        TORCH_WARN("stitch-alloc: synchronising before closing an IPC mapping: ",
+                   cudaGetErrorString(e));
+      }
+      if (lib.ipc_close(p) != 0) {
+        TORCH_WARN("stitch-alloc: closing an IPC mapping: ", lib.error());
+      }
+    });
   }
+
+  // Torch's own allocator, kept when this one was installed: it opens IPC handles that
+  // processes under torch's allocator send.
+  void keep_native(CCA::CUDAAllocator* native) { native_ = native; }
 
   bool isHistoryEnabled() override {
     std::lock_guard<std::mutex> g(mu_);
@@ -1004,6 +1053,8 @@ class StitchAllocator final : public CCA::CUDAAllocator {
   size_t trace_max_ = 1;
   std::unordered_set<int> skip_;
   std::deque<CDA::TraceEntry> trace_;
+  CCA::CUDAAllocator* native_ = nullptr;  // torch's own (never destroyed: a static of torch)
+  std::mutex native_mu_;                  // its lazy init
 };
 
 // The installed allocator. Never destroyed (like the library's own state): tensors freed
@@ -1022,6 +1073,7 @@ void install(const std::string& path) {
   TORCH_CHECK(instance == nullptr, "stitch-alloc: the extension is installed already");
   lib.open(path);
   auto* keep = new std::shared_ptr<StitchAllocator>(std::make_shared<StitchAllocator>());
+  (*keep)->keep_native(CCA::get());
   try {
     torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(*keep);
   } catch (...) {
