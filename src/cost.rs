@@ -322,7 +322,8 @@ mod tests {
         assert_eq!(m(DriverOp::Reserve, 1 << 40), 1.65);
         assert_eq!(price(DriverOp::Copy, MIB), None);
         for op in DriverOp::ALL {
-            assert_eq!(price(op, MIB).is_some(), op != DriverOp::Copy, "{op}");
+            let unpriced = matches!(op, DriverOp::Copy | DriverOp::Share);
+            assert_eq!(price(op, MIB).is_some(), !unpriced, "{op}");
         }
     }
 
@@ -334,7 +335,7 @@ mod tests {
         }
         let m = CostModel::h200();
         let (total, by) = m.cost_of_counts(&c);
-        assert_eq!(by.len(), DriverOp::ALL.len() - 1, "copies are not priced");
+        assert_eq!(by.len(), DriverOp::ALL.len() - 2, "copies and shares are not priced");
         assert_eq!(by["reserve"], 1.65);
         assert_eq!(by["create"], (11.0 + 13.5) / 2.0);
         assert_eq!(by["wait_event"], 5.0);
