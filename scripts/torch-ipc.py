@@ -8,8 +8,9 @@ and answers; the parent then sees the child's writes. Prints one line ``RESULT {
     STITCH_IPC_LIB=.gpu/libstitch_alloc.so python3 scripts/torch-ipc.py   # stitch-alloc
 
 With ``STITCH_IPC_LIB`` set, both processes run stitch-alloc (the spawned child imports
-this file again, which enables it at import). Used by scripts/torch-dropin.py (case
-``ipc_share``) and python/tests/test_torch_gpu.py.
+this file again, which enables it at import); ``STITCH_IPC_ROLES=child`` (or ``parent``)
+runs it in that process only, the other under torch's own allocator. Used by
+scripts/torch-dropin.py (case ``ipc_share``) and python/tests/test_torch_gpu.py.
 """
 import json
 import os
@@ -17,7 +18,13 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+import multiprocessing  # noqa: E402
+
+IS_CHILD = multiprocessing.parent_process() is not None
+ROLES = os.environ.get("STITCH_IPC_ROLES", "both")
 LIB = os.environ.get("STITCH_IPC_LIB")
+if LIB and ROLES != "both" and ROLES != ("child" if IS_CHILD else "parent"):
+    LIB = None
 if LIB:
     sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))
     import stitch_alloc  # noqa: E402
@@ -57,7 +64,7 @@ def main():
     q_in, q_out = ctx.Queue(), ctx.Queue()
     p = ctx.Process(target=child, args=(q_in, q_out))
     p.start()
-    res = {"mode": mode()}
+    res = {"mode": mode(), "roles": ROLES if os.environ.get("STITCH_IPC_LIB") else "none"}
     try:
         q_in.put((x, view))
         got = q_out.get(timeout=180)
