@@ -82,6 +82,7 @@ __all__ = [
     "GraphCaptureUnsupported",
     "build_extension",
     "mode",
+    "one_handle_pool",
     "EXT_ENV",
     "FALLBACK_LACKS",
 ]
@@ -498,10 +499,43 @@ def enable(path=None, conf=None, prealloc=None, extension=None):
                         f"the process (torch: {e})"
                     ) from e
                 _torch_allocator = ext
+                _enabled_path[0] = lib_path
                 return ext
+        _enabled_path[0] = lib_path
         alloc = _enable_pluggable(torch, lib, lib_path)
         _torch_allocator = alloc
         return alloc
+
+
+_enabled_path = [None]
+
+
+def one_handle_pool():
+    """A ``torch.cuda.MemPool`` whose every block is **one** physical handle created for it
+    (``stitch_malloc_one_handle``): for buffers that NCCL user-buffer registration
+    (``ProcessGroupNCCL.register_mem_pool``, ``ncclCommRegister``) or RDMA pinning will see,
+    which refuse a range of several physical allocations. Needs :func:`enable` with the C++
+    extension (the fallback cannot host a pool of another allocator). Use it as torch's own::
+
+        pool = stitch_alloc.one_handle_pool()
+        with torch.cuda.use_mem_pool(pool):
+            buf = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+        backend.register_mem_pool(pool)   # a ProcessGroupNCCL backend
+
+    Freed blocks stay cached in the pool while it lives (as torch's pools do) and go back
+    to the library when the pool is deleted.
+    """
+    if mode() != "extension":
+        raise RuntimeError(
+            "stitch_alloc.one_handle_pool() needs stitch_alloc.enable() with the C++ "
+            f"extension (mode: {mode()!r})"
+        )
+    import torch  # noqa: PLC0415
+
+    alloc = torch.cuda.memory.CUDAPluggableAllocator(
+        _enabled_path[0], "stitch_malloc_one_handle", "stitch_free"
+    )
+    return torch.cuda.MemPool(alloc.allocator())
 
 
 def _enable_pluggable(torch, lib, lib_path):

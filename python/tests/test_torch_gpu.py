@@ -526,3 +526,26 @@ def test_extension_shares_cuda_tensors_with_a_spawned_process(libpath):
     assert res["mode"] == "extension" and res["child"].get("mode") == "extension", res
     assert res["ok"], res
     assert res["after"] == float(1 << 20), res
+
+
+def test_extension_user_mempool_can_be_deleted(libpath):
+    """A torch.cuda.MemPool used and deleted under the extension: torch's MemPool destructor
+    calls setUseOnOOM(device, id, False), which raised, so the process terminated
+    (std::terminate from a destructor)."""
+    res = run_torch(
+        libpath,
+        """
+        import gc
+        pool = torch.cuda.MemPool()
+        with torch.cuda.use_mem_pool(pool):
+            x = torch.ones(1 << 20, device="cuda")
+        s = float(x.sum().item())
+        del x, pool
+        gc.collect()
+        torch.cuda.empty_cache()
+        y = float((torch.ones(1 << 20, device="cuda") * 3).sum().item())
+        print("RESULT", json.dumps({"sum": s, "after": y}))
+        """,
+        ext=True,
+    )
+    assert res == {"sum": float(1 << 20), "after": float(3 << 20)}, res

@@ -140,6 +140,7 @@ struct Released {
   DeviceIndex device;
   size_t size;
   cudaStream_t stream;
+  std::shared_ptr<CCA::CUDAAllocator> allocator;  // the pool's own allocator, if any
 };
 
 struct MempoolHash {
@@ -168,6 +169,11 @@ struct PoolBlock {
 struct Pool {
   DeviceIndex device = 0;
   int use_count = 0;
+  // A torch.cuda.MemPool of another allocator (say a CUDAPluggableAllocator over
+  // stitch_malloc_one_handle, for NCCL's register_mem_pool): its blocks come from and go
+  // back to that allocator's raw_alloc_with_stream / raw_delete; null: the library's graph
+  // memory (stitch_malloc_graph).
+  std::shared_ptr<CCA::CUDAAllocator> allocator;
   std::unordered_map<void*, PoolBlock> blocks;
   std::multimap<size_t, void*> free_blocks;  // size -> block, the cached ones
   size_t cached_bytes = 0;                    // sum of the free blocks' sizes
@@ -524,19 +530,29 @@ class StitchAllocator final : public CCA::CUDAAllocator {
 
   void createOrIncrefPool(DeviceIndex device, MempoolId_t mempool_id,
                           std::shared_ptr<CCA::CUDAAllocator> allocator) override {
-    TORCH_CHECK(allocator == nullptr || allocator.get() == this,
-                "stitch-alloc: a memory pool of another allocator is not supported");
+    if (allocator.get() == this) {
+      allocator = nullptr;
+    }
     std::lock_guard<std::mutex> g(mu_);
     Pool& p = pools_[mempool_id];
+    TORCH_CHECK(p.blocks.empty() || p.allocator == allocator,
+                "stitch-alloc: memory pool ", mempool_id.first, ".", mempool_id.second,
+                " already holds blocks of another allocator");
+    p.allocator = std::move(allocator);
     p.device = device;
     p.use_count++;
   }
 
-  void setUseOnOOM(DeviceIndex, MempoolId_t, bool) override {
-    TORCH_CHECK(false,
+  // torch.cuda.MemPool's destructor calls setUseOnOOM(..., false): that must not throw (a
+  // throw there terminates the process). Only turning the feature on is refused.
+  void setUseOnOOM(DeviceIndex, MempoolId_t, bool use_on_oom) override {
+    TORCH_CHECK(!use_on_oom,
                 "stitch-alloc does not support setUseOnOOM (a memory pool used when the "
                 "device is out of memory)");
   }
+
+  // Pool blocks are never split (each is the exact size it was asked for): nothing to do.
+  void setNoSplit(DeviceIndex, MempoolId_t) override {}
 
   bool checkPoolLiveAllocations(DeviceIndex, MempoolId_t mempool_id,
                                 const std::unordered_set<void*>& expected) override {
@@ -744,6 +760,7 @@ class StitchAllocator final : public CCA::CUDAAllocator {
     }
     Alloc a;
     bool found = false;
+    std::shared_ptr<CCA::CUDAAllocator> own;  // set when the block goes back to a pool's own
     {
       std::lock_guard<std::mutex> g(mu_);
       auto it = allocs_.find(ptr);
@@ -767,6 +784,7 @@ class StitchAllocator final : public CCA::CUDAAllocator {
               }
               // The pool was released while this block was live: it leaves the pool now
               // and is freed below on its stream (the graphs that used it are gone).
+              own = p->second.allocator;
               p->second.blocks.erase(b);
               erase_pool_if_empty(p);
             }
@@ -776,6 +794,15 @@ class StitchAllocator final : public CCA::CUDAAllocator {
     }
     if (!found) {
       return false;
+    }
+    if (own != nullptr) {
+      try {
+        own->raw_delete(ptr);
+      } catch (const std::exception& e) {
+        TORCH_WARN("stitch-alloc: a memory pool's allocator failed to free ", ptr, ": ",
+                   e.what());
+      }
+      return true;
     }
     lib.free(ptr, a.size, a.device, a.stream);
     {
@@ -828,9 +855,18 @@ class StitchAllocator final : public CCA::CUDAAllocator {
           b.stream = stream;
           pool_reuses_[device_slot(device)]++;
         } else {
+          std::shared_ptr<CCA::CUDAAllocator> own = pool.allocator;
           g.unlock();
           lib.clear_error();
-          p = lib.malloc_graph(n, device, stream);
+          if (own != nullptr) {
+            // The pool's own allocator; its errors (a c10::Error) reach the caller as such.
+            p = own->raw_alloc_with_stream(n, stream);
+            TORCH_CHECK_WITH(OutOfMemoryError, p != nullptr, "CUDA out of memory: the "
+                             "allocator of memory pool ", pool_id.first, ".", pool_id.second,
+                             " returned NULL for ", n, " bytes");
+          } else {
+            p = lib.malloc_graph(n, device, stream);
+          }
           g.lock();
           if (p != nullptr) {
             Pool& pool2 = pools_[pool_id];
@@ -1003,7 +1039,8 @@ class StitchAllocator final : public CCA::CUDAAllocator {
       for (auto& fb : p.free_blocks) {
         auto b = p.blocks.find(fb.second);
         if (b != p.blocks.end()) {
-          out.push_back(Released{fb.second, p.device, b->second.size, b->second.stream});
+          out.push_back(
+              Released{fb.second, p.device, b->second.size, b->second.stream, p.allocator});
           p.blocks.erase(b);
         }
       }
@@ -1024,6 +1061,15 @@ class StitchAllocator final : public CCA::CUDAAllocator {
   // invalidate a CUDA graph another thread is capturing (seen in the soak, run 20).
   void free_pool_blocks(const std::vector<Released>& blocks) {
     for (auto& b : blocks) {
+      if (b.allocator != nullptr) {
+        try {
+          b.allocator->raw_delete(b.ptr);
+        } catch (const std::exception& e) {
+          TORCH_WARN("stitch-alloc: a memory pool's allocator failed to free ", b.ptr, ": ",
+                     e.what());
+        }
+        continue;
+      }
       lib.clear_error();
       lib.free(b.ptr, b.size, b.device, b.stream);
       std::string e = lib.error();
