@@ -18,9 +18,8 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-import multiprocessing  # noqa: E402
-
-IS_CHILD = multiprocessing.parent_process() is not None
+# A spawned child imports this file as its main module under this name.
+IS_CHILD = __name__ == "__mp_main__"
 ROLES = os.environ.get("STITCH_IPC_ROLES", "both")
 LIB = os.environ.get("STITCH_IPC_LIB")
 if LIB and ROLES != "both" and ROLES != ("child" if IS_CHILD else "parent"):

@@ -52,6 +52,9 @@ def child(case, lib):
         import torch.distributed as dist
 
         n = 300 << 20
+        # The communicator first (NCCL registers a pool only on an initialised one).
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{29400 + (7 if lib else 3)}",
+                                rank=0, world_size=1, device_id=torch.device("cuda", 0))
         pool = stitch_alloc.one_handle_pool() if lib else torch.cuda.MemPool()
         with torch.cuda.use_mem_pool(pool):
             t = torch.ones(n // 4, device="cuda")
@@ -62,8 +65,6 @@ def child(case, lib):
         res["address_range"] = {"rc": rc, "base_is_ptr": base.value == t.data_ptr(),
                                 "size": size.value}
         res["pool_segments"] = len(pool.snapshot())
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{29400 + (7 if lib else 3)}",
-                                rank=0, world_size=1)
         backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cuda"))
         backend.register_mem_pool(pool)
         dist.all_reduce(t)

@@ -156,6 +156,9 @@ struct Alloc {
   cudaStream_t stream = nullptr;
   MempoolId_t pool = kNoPool;
   std::shared_ptr<c10::GatheredContext> context;
+  // Creation order of its segment (SegmentInfo::registration_counter: NCCL's
+  // register_mem_pool registers a pool's segments in this order, the same on every rank).
+  int32_t registration = 0;
 };
 
 // A block owned by a graph pool.
@@ -163,6 +166,7 @@ struct PoolBlock {
   size_t size = 0;  // the size it was created with (stitch_malloc_graph)
   cudaStream_t stream = nullptr;
   bool live = false;
+  int32_t registration = 0;  // creation order (see Alloc::registration)
 };
 
 // A CUDA graph's private memory pool.
@@ -426,6 +430,7 @@ class StitchAllocator final : public CCA::CUDAAllocator {
       seg.stream = a.stream;
       seg.is_large = true;
       seg.owner_private_pool_id = a.pool;
+      seg.registration_counter = a.registration;
       seg.context_when_allocated = a.context;
       CDA::BlockInfo b;
       b.size = a.size;
@@ -447,6 +452,8 @@ class StitchAllocator final : public CCA::CUDAAllocator {
         seg.total_size = fb.first;
         seg.is_large = true;
         seg.owner_private_pool_id = kv.first;
+        auto pb = kv.second.blocks.find(fb.second);
+        seg.registration_counter = pb == kv.second.blocks.end() ? 0 : pb->second.registration;
         CDA::BlockInfo b;
         b.size = fb.first;
         seg.blocks.push_back(b);
@@ -870,7 +877,7 @@ class StitchAllocator final : public CCA::CUDAAllocator {
           g.lock();
           if (p != nullptr) {
             Pool& pool2 = pools_[pool_id];
-            pool2.blocks[p] = PoolBlock{n, stream, true};
+            pool2.blocks[p] = PoolBlock{n, stream, true, next_registration_++};
           }
         }
       }
@@ -889,6 +896,20 @@ class StitchAllocator final : public CCA::CUDAAllocator {
     a.device = device;
     a.stream = stream;
     a.pool = pool_id;
+    a.registration = -1;
+    if (pool_id != kNoPool) {
+      // A pool block keeps the order of its creation when it is reused.
+      auto pit = pools_.find(pool_id);
+      if (pit != pools_.end()) {
+        auto bit = pit->second.blocks.find(p);
+        if (bit != pit->second.blocks.end()) {
+          a.registration = bit->second.registration;
+        }
+      }
+    }
+    if (a.registration < 0) {
+      a.registration = next_registration_++;
+    }
     if (record_when_ != CDA::RecordContext::NEVER) {
       a.context = ctx;
     }
@@ -1085,6 +1106,7 @@ class StitchAllocator final : public CCA::CUDAAllocator {
   std::atomic<bool> initialized_{false};
   std::atomic<bool> enabled_{true};
   std::unordered_map<void*, Alloc> allocs_;
+  int32_t next_registration_ = 0;  // Alloc::registration of the next new segment
   std::unordered_map<MempoolId_t, Pool, MempoolHash> pools_;
   std::vector<Capture> captures_;
   int64_t pool_reuses_[kMaxDevices] = {};
