@@ -194,6 +194,11 @@ def _declare(lib):
         "stitch_malloc_one_handle": (c.c_void_p, [c.c_size_t, c.c_int, c.c_void_p]),
         "stitch_segment_log": (c.c_int, [c.c_int, c.c_int]),
         "stitch_free_graph": (c.c_int, [c.c_void_p, c.c_int]),
+        "stitch_share": (c.c_ssize_t, [c.c_void_p, c.c_void_p, c.c_size_t,
+                                       c.POINTER(c.c_uint64)]),
+        "stitch_ipc_open": (c.c_int, [c.c_int, c.c_char_p, c.c_size_t,
+                                      c.POINTER(c.c_void_p)]),
+        "stitch_ipc_close": (c.c_int, [c.c_void_p]),
     }
     for name, (res, args) in sigs.items():
         f = getattr(lib, name)

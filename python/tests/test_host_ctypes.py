@@ -300,3 +300,33 @@ def test_one_handle_allocation_and_segment_log(lib):
     assert stitch_alloc.last_error() == ""
     assert lib.stitch_segment_log(0, 0) == 0
     assert lib.stitch_segment_events(0, buf, 256) == 0
+
+
+def test_ipc_share_and_open_through_ctypes(lib):
+    """Issue #12 item 6 on the host backend: a block shared by stitch_share is opened by
+    stitch_ipc_open (here in the same process: the descriptors are fetched from our own pid)
+    as a second mapping of the same memory; writes through one are read through the other."""
+    size = 9 * MIB
+    p = lib.stitch_malloc(size, 0, None)
+    assert p, stitch_alloc.last_error()
+    ctypes.memset(p, 0x3C, size)
+    off = ctypes.c_uint64(0)
+    need = lib.stitch_share(p, None, 0, ctypes.byref(off))
+    assert need > 18, stitch_alloc.last_error()
+    msg = ctypes.create_string_buffer(need)
+    assert lib.stitch_share(p, msg, need, ctypes.byref(off)) == need
+    base = ctypes.c_void_p()
+    assert lib.stitch_ipc_open(0, msg.raw, need, ctypes.byref(base)) == 0, stitch_alloc.last_error()
+    view = base.value + off.value
+    assert view != p
+    assert ctypes.string_at(view, 16) == b"\x3c" * 16
+    ctypes.memset(view + size - 8, 0x77, 8)
+    assert ctypes.string_at(p + size - 8, 8) == b"\x77" * 8
+    assert lib.stitch_ipc_close(base) == 0
+    lib.stitch_clear_error()
+    assert lib.stitch_ipc_close(base) == -1
+    assert "not a mapping" in stitch_alloc.last_error()
+    bad = ctypes.c_void_p()
+    assert lib.stitch_ipc_open(0, b"\x02Sgarbage", 9, ctypes.byref(bad)) == -1
+    assert "IPC handle" in stitch_alloc.last_error()
+    lib.stitch_free(p, size, 0, None)
