@@ -36,7 +36,7 @@
  *   small_threshold:N           requests up to N bytes share small pages (default 1MiB)
  *   small_page:N                size of one small page (default: the granularity)
  *   min_handle:N, max_handle:N  smallest / largest physical handle (default: the
- *                               granularity, 2MiB on CUDA / 128MiB)
+ *                               granularity, 2MiB on CUDA / 20MiB)
  *   stitching:true|false        remap free handles into new spans (default true)
  *   reserve_slack:F             growth slack before free handles are reused, F in
  *                               [0, 1000] (default 0)

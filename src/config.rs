@@ -92,9 +92,11 @@ pub struct Config {
     /// the granularity). Larger values make fewer, larger handles for mid-sized requests.
     #[serde(deserialize_with = "de_opt_size")]
     pub min_handle: Option<u64>,
-    /// Largest single handle, a multiple of the granularity; a larger need is built from
-    /// several (default 128 MiB). Smaller values strand less memory but cost more driver
-    /// calls per stitch (see `design/ARCHITECTURE.md`, section 4.4, for the measured
+    /// Largest handle created to grow the pool, a multiple of the granularity; a larger need
+    /// is built from several (default 20 MiB, the page of PyTorch's expandable segments). A
+    /// stitch by re-creation, which builds one allocation's span, creates handles of up to
+    /// 128 MiB (or this, if larger). Smaller values strand less memory but cost more driver
+    /// calls (see `design/ARCHITECTURE.md`, section 4.4, and design/zoo.md for the measured
     /// trade-off).
     #[serde(deserialize_with = "de_size")]
     pub max_handle: u64,
@@ -177,7 +179,7 @@ impl Default for Config {
             medium_threshold: None,
             medium_page: 64 << 20,
             min_handle: None,
-            max_handle: 128 << 20,
+            max_handle: 20 << 20,
             handle_divisor: 16,
             split_min: 4 << 20,
             recreate: true,
@@ -883,12 +885,10 @@ mod tests {
     fn defaults_resolve_as_documented() {
         let r = Config::default().resolve(G, DEV).unwrap();
         assert_eq!(r.capacity, 1 << 30);
-        assert_eq!(
-            (r.small_page, r.min_handle, r.max_handle),
-            (G, G, 128 * MIB)
-        );
+        assert_eq!((r.small_page, r.min_handle, r.max_handle), (G, G, 20 * MIB));
         assert_eq!(r.medium_threshold, r.small_threshold, "medium pool off");
-        assert_eq!(r.medium_page, 64 * MIB);
+        // The medium page (64 MiB asked) is one handle at most: max_handle.
+        assert_eq!(r.medium_page, 20 * MIB);
         assert_eq!(r.va_chunk, 4 << 30);
         // A fraction is capped at the free memory.
         let half_free = MemInfo {
@@ -905,7 +905,7 @@ mod tests {
             .with_medium(64 * MIB, 32 * MIB)
             .resolve(G, DEV)
             .unwrap();
-        assert_eq!((r.medium_threshold, r.medium_page), (16 * MIB, 32 * MIB));
+        assert_eq!((r.medium_threshold, r.medium_page), (10 * MIB, 20 * MIB));
         let r = Config::default()
             .with_medium(0, 0)
             .with_handle_sizes(0, 8 * MIB)
@@ -918,7 +918,7 @@ mod tests {
         };
         assert!(c.resolve(G, DEV).is_err(), "above 1 PiB");
         c.medium_page = MAX_BYTES;
-        assert_eq!(c.resolve(G, DEV).unwrap().medium_page, 128 * MIB);
+        assert_eq!(c.resolve(G, DEV).unwrap().medium_page, 20 * MIB);
         c.va_chunk = Some(3 * MIB);
         assert_eq!(c.resolve(G, DEV).unwrap().va_chunk, 4 * MIB);
     }

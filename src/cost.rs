@@ -335,7 +335,11 @@ mod tests {
         }
         let m = CostModel::h200();
         let (total, by) = m.cost_of_counts(&c);
-        assert_eq!(by.len(), DriverOp::ALL.len() - 2, "copies and shares are not priced");
+        assert_eq!(
+            by.len(),
+            DriverOp::ALL.len() - 2,
+            "copies and shares are not priced"
+        );
         assert_eq!(by["reserve"], 1.65);
         assert_eq!(by["create"], (11.0 + 13.5) / 2.0);
         assert_eq!(by["wait_event"], 5.0);

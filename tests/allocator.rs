@@ -24,7 +24,9 @@ fn sim_with(cap: u64, cfg: Config) -> (Arc<SimDriver>, Allocator<Arc<SimDriver>>
 /// of those mechanisms count calls and handles against.
 fn remapping() -> Config {
     let mut c = Config::default();
+    // One handle per allocation of up to 128 MiB (the tests below count handles).
     c.handle_divisor = 1;
+    c.max_handle = 128 << 20;
     c.recreate = false;
     c
 }

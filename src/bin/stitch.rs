@@ -1194,7 +1194,7 @@ mod tests {
             .render_help()
             .to_string();
         assert!(
-            help.contains("Config::max_handle; default 128 MiB"),
+            help.contains("Config::max_handle; default 20 MiB"),
             "{help}"
         );
         assert!(help.contains("Config::reserve_slack; default 0"), "{help}");

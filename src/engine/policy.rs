@@ -259,6 +259,7 @@ impl StitchPolicy {
                 Step::Release(release),
                 Step::Build(BuildPlan {
                     recreated: released,
+                    handle_size: recreate_handle_size(cfg, need),
                     ..span(keep, create, after)
                 }),
             ]
@@ -456,6 +457,22 @@ pub(crate) fn handle_size(cfg: &Resolved, bytes: u64) -> u64 {
     let pow2 = 1u64 << (63 - units.leading_zeros());
     pow2.saturating_mul(g).clamp(cfg.split_min, cfg.max_handle)
 }
+
+/// The largest handle a stitch by re-creation creates for `bytes`: as [`handle_size`] but
+/// up to [`RECREATE_HANDLE_MAX`] (at least `max_handle`).
+pub(crate) fn recreate_handle_size(cfg: &Resolved, bytes: u64) -> u64 {
+    let cap = cfg.max_handle.max(RECREATE_HANDLE_MAX);
+    if cfg.handle_divisor <= 1 {
+        return cap;
+    }
+    let g = cfg.granularity;
+    let units = (bytes / cfg.handle_divisor / g).max(1);
+    let pow2 = 1u64 << (63 - units.leading_zeros());
+    pow2.saturating_mul(g).clamp(cfg.split_min, cap)
+}
+
+/// See [`recreate_handle_size`].
+pub(crate) const RECREATE_HANDLE_MAX: u64 = 128 << 20;
 
 /// What [`recreate_steps`] plans: the handles to release, those to keep, the bytes to create,
 /// how many are released, and where to link the span.

@@ -108,20 +108,30 @@ mod tests {
         let covered: u64 = m.pieces.iter().map(|p| p.1).sum();
         assert!(covered >= s1.offset + 10 * MIB);
         assert_eq!(a.stats().handles_exported, m.pieces.len() as u64);
-        let is_chunk = |fd: i32| {
-            std::fs::read_link(format!("/proc/self/fd/{fd}"))
-                .map(|l| l.to_string_lossy().contains("stitch-alloc-chunk"))
-                .unwrap_or(false)
+        // Each exported descriptor's file (a memfd: device and inode), to tell it from a
+        // later descriptor of the same number (tests in this process open memfds too).
+        let file_of = |fd: i32| {
+            use std::os::unix::fs::MetadataExt;
+            std::fs::metadata(format!("/proc/self/fd/{fd}"))
+                .ok()
+                .map(|m| (m.dev(), m.ino()))
         };
-        assert!(m.pieces.iter().all(|&(fd, _)| is_chunk(fd)));
+        let files: Vec<_> = m.pieces.iter().map(|&(fd, _)| file_of(fd)).collect();
+        assert!(
+            files.iter().all(Option::is_some),
+            "every descriptor is open"
+        );
         // Not a block start: refused, nothing changes.
         assert!(a.share(DevicePtr(p.addr() + 4096)).is_err());
         a.free(p, Stream::DEFAULT).unwrap();
         a.empty_cache().unwrap();
-        assert!(
-            m.pieces.iter().all(|&(fd, _)| !is_chunk(fd)),
-            "the exported descriptors were closed with their handles"
-        );
+        for (&(fd, _), f) in m.pieces.iter().zip(&files) {
+            assert_ne!(
+                file_of(fd),
+                *f,
+                "descriptor {fd} was closed with its handle"
+            );
+        }
         drop(a);
         assert!(host.leak_report().is_clean());
     }
