@@ -257,7 +257,8 @@ FALLBACK_LACKS = (
     "statistics (they raise; use stitch_alloc.memory_stats), torch.cuda.OutOfMemoryError on "
     "out of memory (torch.empty succeeds with an unallocated storage), cudnn.benchmark "
     "(cacheInfo), CUDA graphs and torch.compile(mode='reduce-overhead') (no private graph "
-    "pools: captures are refused), _record_memory_history/_snapshot, and OOM observers"
+    "pools: captures are refused), _record_memory_history/_snapshot, OOM observers, and "
+    "sharing CUDA tensors between processes (torch.multiprocessing)"
 )
 
 _ext = None
