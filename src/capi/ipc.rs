@@ -16,7 +16,7 @@ use crate::ipc::{self, Opened};
 use crate::DevicePtr;
 use parking_lot::Mutex;
 use std::collections::HashMap;
-use std::os::raw::c_int;
+use std::ffi::c_int;
 
 /// One receiver mapping.
 struct Entry {
