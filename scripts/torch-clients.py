@@ -50,7 +50,7 @@ import textwrap
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torchcases import mode_of, prebuild_extension  # noqa: E402
+from torchcases import bundle_commit, mode_of, prebuild_extension  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -538,10 +538,7 @@ def main():
                                      capture_output=True, text=True).stdout.strip()
     except Exception:  # noqa: BLE001 (the results are still useful without it)
         pass
-    bundle = os.path.join(REPO, ".gpu", "COMMIT")
-    if os.path.isfile(bundle):
-        with open(bundle) as f:
-            meta["commit"] = f.read().strip()
+    meta["commit"] = bundle_commit(REPO)
     rows = []
     t_all = time.time()
     for name in cases:

@@ -44,6 +44,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 PYDIR = os.path.join(REPO, "python")
+sys.path.insert(0, HERE)
+from torchcases import bundle_commit  # noqa: E402
 
 CONFIGS = {
     "default": {"label": "PyTorch default", "alloc_conf": None, "stitch": False},
@@ -542,17 +544,7 @@ def main(argv=None):
         meta.update({"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0)})
     except Exception:  # noqa: BLE001 (the table is still useful without it)
         pass
-    # The commit the bundle was built from (the GPU machine's copy has no git history).
-    bundle = os.path.join(REPO, ".gpu", "COMMIT")
-    if os.path.isfile(bundle):
-        with open(bundle) as f:
-            meta["commit"] = f.read().strip()
-    else:
-        try:
-            meta["commit"] = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"],
-                                            capture_output=True, text=True).stdout.strip()
-        except OSError:
-            pass
+    meta["commit"] = bundle_commit(REPO)
     try:
         meta["gpu_clocks"] = subprocess.run(
             ["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,clocks.max.sm,temperature.gpu",

@@ -1,7 +1,7 @@
-"""What scripts/torch-dropin.py and scripts/torch-clients.py share: building the C++
-extension once, in a child process, before their cases run (so that no case's timeout
-includes the build and the parent never initialises CUDA), and reading the mode a child
-reported."""
+"""What the torch scripts share: building the C++ extension once, in a child process,
+before their cases run (so that no case's timeout includes the build and the parent never
+initialises CUDA), reading the mode a child reported, and the commit the results belong to."""
+import os
 import subprocess
 import sys
 import time
@@ -33,3 +33,18 @@ def mode_of(out):
         if line.startswith("MODE "):
             return line[5:]
     return "?"
+
+
+def bundle_commit(repo):
+    """The commit the GPU bundle was built from (`.gpu/COMMIT`: the GPU machine's copy of the
+    tree has no git history), else the checkout's HEAD, else None."""
+    bundle = os.path.join(repo, ".gpu", "COMMIT")
+    if os.path.isfile(bundle):
+        with open(bundle) as f:
+            return f.read().strip()
+    try:
+        head = subprocess.run(["git", "-C", repo, "rev-parse", "HEAD"], capture_output=True,
+                              text=True).stdout.strip()
+    except OSError:
+        return None
+    return head or None
