@@ -186,12 +186,15 @@ pub fn open<D: Driver + ?Sized>(d: &D, handle: &[u8]) -> Result<Opened> {
             m.pid
         ))
     })?;
+    let total: u64 = m.pieces.iter().map(|p| p.1).sum();
     let mut opened = Opened {
         base: 0,
-        size: 0,
+        size: total,
         handles: Vec::with_capacity(m.pieces.len()),
         closed: false,
     };
+    // Handles mapped so far, from `base` on: what a failure unmaps.
+    let mut mapped = 0;
     let r = (|| -> Result<()> {
         for &(fd, size) in &m.pieces {
             let local = pidfd_getfd(&pidfd, fd, PidfdGetfdFlags::empty()).map_err(|e| {
@@ -205,45 +208,20 @@ pub fn open<D: Driver + ?Sized>(d: &D, handle: &[u8]) -> Result<Opened> {
             let h = d.import(local.as_fd(), size)?;
             opened.handles.push((h, size));
         }
-        let total: u64 = m.pieces.iter().map(|p| p.1).sum();
         opened.base = d.reserve(total)?;
         let mut at = opened.base;
-        for (i, &(h, size)) in opened.handles.iter().enumerate() {
-            if let Err(e) = d.map(at, size, h) {
-                // Unmap what was mapped, so `undo` only has to release.
-                let mut back = opened.base;
-                for &(_, s) in &opened.handles[..i] {
-                    let _ = d.unmap(back, s);
-                    back += s;
-                }
-                return Err(e.into());
-            }
+        for &(h, size) in &opened.handles {
+            d.map(at, size, h)?;
+            mapped += 1;
             at += size;
         }
-        opened.size = total;
-        if let Err(e) = d.set_access(opened.base, total) {
-            let mut back = opened.base;
-            for &(_, s) in &opened.handles {
-                let _ = d.unmap(back, s);
-                back += s;
-            }
-            opened.size = 0;
-            return Err(e.into());
-        }
+        d.set_access(opened.base, total)?;
         Ok(())
     })();
     match r {
         Ok(()) => Ok(opened),
         Err(e) => {
-            // Nothing is mapped now (each failure above unmapped what it had mapped).
-            if opened.base != 0 {
-                let total: u64 = m.pieces.iter().map(|p| p.1).sum();
-                let _ = d.free_reservation(opened.base, total);
-            }
-            for &(h, _) in &opened.handles {
-                let _ = d.release(h);
-            }
-            opened.closed = true;
+            let _ = opened.undo(d, mapped);
             Err(e)
         }
     }
@@ -270,6 +248,14 @@ impl Opened {
     /// opened it. The caller makes sure no queued work still uses the memory. Every step is
     /// tried; the first error is returned.
     pub fn close<D: Driver + ?Sized>(mut self, d: &D) -> std::result::Result<(), DriverError> {
+        let n = self.handles.len();
+        self.undo(d, n).map_or(Ok(()), Err)
+    }
+
+    /// Unmap the first `mapped` handles, release every imported one, free the address
+    /// space (when reserved); every step is tried, the first error returned. Marks the
+    /// mapping closed.
+    fn undo<D: Driver + ?Sized>(&mut self, d: &D, mapped: usize) -> Option<DriverError> {
         self.closed = true;
         let mut first: Option<DriverError> = None;
         let mut keep = |r: std::result::Result<(), DriverError>| {
@@ -278,15 +264,17 @@ impl Opened {
             }
         };
         let mut at = self.base;
-        for &(_, size) in &self.handles {
+        for &(_, size) in &self.handles[..mapped] {
             keep(d.unmap(at, size));
             at += size;
         }
         for &(h, _) in &self.handles {
             keep(d.release(h));
         }
-        keep(d.free_reservation(self.base, self.size));
-        first.map_or(Ok(()), Err)
+        if self.base != 0 {
+            keep(d.free_reservation(self.base, self.size));
+        }
+        first
     }
 }
 
@@ -336,17 +324,18 @@ mod tests {
             Message::decode(&neg.encode()).is_err(),
             "negative descriptor"
         );
-        let mut x = 0x9e37_79b9_7f4a_7c15u64;
-        for len in 0..200usize {
-            let v: Vec<u8> = (0..len)
-                .map(|_| {
-                    x ^= x << 13;
-                    x ^= x >> 7;
-                    x ^= x << 17;
-                    x as u8
-                })
-                .collect();
-            let _ = Message::decode(&v);
+    }
+
+    proptest::proptest! {
+        /// Any bytes: an error or a message that encodes back to them (the `ipc_message`
+        /// fuzz target does the same at length).
+        #[test]
+        fn any_bytes_decode_to_an_error_or_their_own_message(
+            v in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..200)
+        ) {
+            if let Ok(m) = Message::decode(&v) {
+                proptest::prop_assert_eq!(m.encode(), v);
+            }
         }
     }
 

@@ -218,11 +218,25 @@ where
     F: Forward + ?Sized,
     T: Copy + Into<Done>,
 {
+    hooked_as(f, call, go, |&v| v.into())
+}
+
+/// [`hooked`] for a result that is no [`Done`] itself: `after` sees `done` of it.
+#[inline]
+fn hooked_as<F, T>(
+    f: &F,
+    call: Call,
+    go: impl FnOnce(&F) -> DriverResult<T>,
+    done: impl FnOnce(&T) -> Done,
+) -> DriverResult<T>
+where
+    F: Forward + ?Sized,
+{
     f.before(&call)?;
     let t0 = F::MEASURE.then(Instant::now);
     let r = go(f);
     let ns = t0.map_or(0, |t| t.elapsed().as_nanos() as u64);
-    f.after(&call, r.as_ref().map(|&v| v.into()), ns);
+    f.after(&call, r.as_ref().map(done), ns);
     r
 }
 
@@ -301,13 +315,12 @@ impl<F: Forward> Driver for F {
     }
     fn export(&self, handle: PhysHandle) -> DriverResult<OwnedFd> {
         // The descriptor is no `Done`: `after` sees a unit result.
-        let call = Call::Export { handle };
-        self.before(&call)?;
-        let t0 = F::MEASURE.then(Instant::now);
-        let r = self.inner().export(handle);
-        let ns = t0.map_or(0, |t| t.elapsed().as_nanos() as u64);
-        self.after(&call, r.as_ref().map(|_| Done::Unit), ns);
-        r
+        hooked_as(
+            self,
+            Call::Export { handle },
+            |f| f.inner().export(handle),
+            |_| Done::Unit,
+        )
     }
     fn import(&self, fd: BorrowedFd<'_>, size: u64) -> DriverResult<PhysHandle> {
         hooked(self, Call::Import { size }, |f| f.inner().import(fd, size))
