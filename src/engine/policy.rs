@@ -449,19 +449,25 @@ impl StitchPolicy {
 /// smaller requests be cut at handle boundaries (less stranded memory) at the price of more
 /// driver calls per byte created (design/zoo.md).
 pub(crate) fn handle_size(cfg: &Resolved, bytes: u64) -> u64 {
-    if cfg.handle_divisor <= 1 {
-        return cfg.max_handle;
-    }
-    let g = cfg.granularity;
-    let units = (bytes / cfg.handle_divisor / g).max(1);
-    let pow2 = 1u64 << (63 - units.leading_zeros());
-    pow2.saturating_mul(g).clamp(cfg.split_min, cfg.max_handle)
+    sized_within(cfg, bytes, cfg.max_handle)
 }
 
 /// The largest handle a stitch by re-creation creates for `bytes`: as [`handle_size`] but
-/// up to [`RECREATE_HANDLE_MAX`] (at least `max_handle`).
+/// up to [`largest_handle`] (such a span is one allocation's, so larger handles pin nothing
+/// else, and one huge stitch keeps its handle count).
 pub(crate) fn recreate_handle_size(cfg: &Resolved, bytes: u64) -> u64 {
-    let cap = cfg.max_handle.max(RECREATE_HANDLE_MAX);
+    sized_within(cfg, bytes, largest_handle(cfg))
+}
+
+/// The largest handle the engine ever creates for the pools: `max_handle` for growth, up to
+/// [`RECREATE_HANDLE_MAX`] for a stitch by re-creation.
+pub(crate) fn largest_handle(cfg: &Resolved) -> u64 {
+    cfg.max_handle.max(RECREATE_HANDLE_MAX)
+}
+
+/// About `bytes / handle_divisor`, a power of two times the granularity, within
+/// `[split_min, cap]` (`cap` when the divisor is 1).
+fn sized_within(cfg: &Resolved, bytes: u64, cap: u64) -> u64 {
     if cfg.handle_divisor <= 1 {
         return cap;
     }

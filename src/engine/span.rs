@@ -303,8 +303,8 @@ impl Engine {
     ) -> Result<Option<Vec<u32>>> {
         let mut fresh = Vec::new();
         let mut left = bytes;
-        let cap = self.cfg.max_handle.max(super::policy::RECREATE_HANDLE_MAX);
-        let handle_size = handle_size.clamp(self.cfg.granularity, cap);
+        let largest = super::policy::largest_handle(&self.cfg);
+        let handle_size = handle_size.clamp(self.cfg.granularity, largest);
         while left > 0 {
             let sz = left.min(handle_size);
             match self.driver_call(DriverOp::Create, || d.create(sz)) {
