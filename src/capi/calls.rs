@@ -175,18 +175,28 @@ fn release_held(a: &super::runtime::Alloc, slot: &super::runtime::Slot, retired:
     }
 }
 
-/// `stitch_segment_log`: 0, or -1 for a device out of range (reported).
-pub(super) fn segment_log(rt: &Runtime, device: c_int, on: bool) -> c_int {
-    match rt.want_segments(device, on) {
+/// A C status: 0, or -1 with the error reported (at `level` of it) as `"{call}: {error}"`.
+pub(super) fn status(
+    r: Result<(), String>,
+    level: impl FnOnce(&str) -> tracing::Level,
+    call: impl FnOnce() -> String,
+) -> c_int {
+    match r {
         Ok(()) => 0,
         Err(m) => {
-            report(
-                tracing::Level::WARN,
-                &format!("stitch_segment_log(device={device}): {m}"),
-            );
+            report(level(&m), &format!("{}: {m}", call()));
             -1
         }
     }
+}
+
+/// `stitch_segment_log`: 0, or -1 for a device out of range (reported).
+pub(super) fn segment_log(rt: &Runtime, device: c_int, on: bool) -> c_int {
+    status(
+        rt.want_segments(device, on),
+        |_| tracing::Level::WARN,
+        || format!("stitch_segment_log(device={device})"),
+    )
 }
 
 /// `stitch_segment_events`: the oldest events of `device`, at most `max`; `Err` with the
@@ -372,27 +382,16 @@ pub(super) fn reset_stats(rt: &Runtime, device: c_int, accumulated: bool) -> c_i
             a.reset_peak_stats()
         }
     });
-    match r {
-        Ok(()) => 0,
-        Err(m) => {
-            report(first_time(&m), &format!("{func}(device={device}): {m}"));
-            -1
-        }
-    }
+    status(r, first_time, || format!("{func}(device={device})"))
 }
 
 /// `stitch_set_memory_fraction`: 0, or -1 on error (reported).
 pub(super) fn set_memory_fraction(rt: &Runtime, device: c_int, fraction: f64) -> c_int {
-    match rt.set_fraction(fraction, device) {
-        Ok(()) => 0,
-        Err(m) => {
-            report(
-                tracing::Level::WARN,
-                &format!("stitch_set_memory_fraction(device={device}, fraction={fraction}): {m}"),
-            );
-            -1
-        }
-    }
+    status(
+        rt.set_fraction(fraction, device),
+        |_| tracing::Level::WARN,
+        || format!("stitch_set_memory_fraction(device={device}, fraction={fraction})"),
+    )
 }
 
 /// `stitch_get_memory_fraction`: the fraction last set, 1.0 if none, -1.0 on error.

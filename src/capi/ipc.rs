@@ -18,11 +18,13 @@ use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::ffi::c_int;
 
+/// A receiver mapping's key: the device and the message it was opened from.
+type Key = (c_int, Vec<u8>);
+
 /// One receiver mapping.
 struct Entry {
-    device: c_int,
-    /// The message it was opened from (the key of `by_message`).
-    message: Vec<u8>,
+    /// Its key in `by_message`.
+    key: Key,
     opened: Opened,
     users: u64,
 }
@@ -32,7 +34,7 @@ struct Table {
     /// Mapping base -> its entry.
     by_ptr: HashMap<u64, Entry>,
     /// (device, message) -> mapping base.
-    by_message: HashMap<(c_int, Vec<u8>), u64>,
+    by_message: HashMap<Key, u64>,
 }
 
 static TABLE: Mutex<Option<Table>> = Mutex::new(None);
@@ -60,9 +62,10 @@ pub(super) fn share(rt: &Runtime, addr: u64) -> Result<(Vec<u8>, u64), String> {
 
 /// `stitch_ipc_open`: map (or find mapped) the memory `message` describes on `device`.
 pub(super) fn open(rt: &Runtime, device: c_int, message: &[u8]) -> Result<u64, String> {
+    let key = (device, message.to_vec());
     let mut t = TABLE.lock();
     let t = t.get_or_insert_with(Table::default);
-    if let Some(&base) = t.by_message.get(&(device, message.to_vec())) {
+    if let Some(&base) = t.by_message.get(&key) {
         t.by_ptr.get_mut(&base).expect("both maps agree").users += 1;
         return Ok(base);
     }
@@ -71,12 +74,11 @@ pub(super) fn open(rt: &Runtime, device: c_int, message: &[u8]) -> Result<u64, S
         ipc::open(bare, message).map_err(|e| describe(&e))
     })??;
     let base = opened.ptr();
-    t.by_message.insert((device, message.to_vec()), base);
+    t.by_message.insert(key.clone(), base);
     t.by_ptr.insert(
         base,
         Entry {
-            device,
-            message: message.to_vec(),
+            key,
             opened,
             users: 1,
         },
@@ -99,9 +101,9 @@ pub(super) fn close(rt: &Runtime, addr: u64) -> Result<(), String> {
         return Ok(());
     }
     let e = t.by_ptr.remove(&addr).expect("just found");
-    t.by_message.remove(&(e.device, e.message));
+    t.by_message.remove(&e.key);
     let opened = e.opened;
-    rt.with_alloc("stitch_ipc_close", e.device, move |a, _| {
+    rt.with_alloc("stitch_ipc_close", e.key.0, move |a, _| {
         opened
             .close(a.driver().inner().inner())
             .map_err(|e| format!("closing an IPC mapping: {e}"))

@@ -348,16 +348,11 @@ pub unsafe extern "C" fn stitch_ipc_open(
 #[no_mangle]
 pub extern "C" fn stitch_ipc_close(ptr: *mut c_void) -> c_int {
     on_runtime("stitch_ipc_close", -1, |rt| {
-        match ipc::close(rt, ptr_to_u64(ptr)) {
-            Ok(()) => 0,
-            Err(m) => {
-                guard::report(
-                    tracing::Level::WARN,
-                    &format!("stitch_ipc_close(ptr={ptr:p}): {m}"),
-                );
-                -1
-            }
-        }
+        calls::status(
+            ipc::close(rt, ptr_to_u64(ptr)),
+            |_| tracing::Level::WARN,
+            || format!("stitch_ipc_close(ptr={ptr:p})"),
+        )
     })
 }
 
