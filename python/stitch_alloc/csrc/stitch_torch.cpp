@@ -803,12 +803,7 @@ class StitchAllocator final : public CCA::CUDAAllocator {
       return false;
     }
     if (own != nullptr) {
-      try {
-        own->raw_delete(ptr);
-      } catch (const std::exception& e) {
-        TORCH_WARN("stitch-alloc: a memory pool's allocator failed to free ", ptr, ": ",
-                   e.what());
-      }
+      give_back(*own, ptr);
       return true;
     }
     lib.free(ptr, a.size, a.device, a.stream);
@@ -822,6 +817,17 @@ class StitchAllocator final : public CCA::CUDAAllocator {
 
  private:
   static size_t device_slot(DeviceIndex d) { return static_cast<size_t>(d) % kMaxDevices; }
+
+  // Free a block of a pool with its own allocator through that allocator; its failure is
+  // a warning (this runs in frees).
+  static void give_back(CCA::CUDAAllocator& own, void* ptr) {
+    try {
+      own.raw_delete(ptr);
+    } catch (const std::exception& e) {
+      TORCH_WARN("stitch-alloc: a memory pool's allocator failed to free ", ptr, ": ",
+                 e.what());
+    }
+  }
 
   c10::DataPtr alloc_on(size_t n, DeviceIndex device, cudaStream_t stream) {
     c10::Device dev(c10::DeviceType::CUDA, device);
@@ -842,6 +848,7 @@ class StitchAllocator final : public CCA::CUDAAllocator {
     }
     void* p = nullptr;
     MempoolId_t pool_id = kNoPool;
+    int32_t registration = -1;  // a pool block's creation order (kept when it is reused)
     {
       std::unique_lock<std::mutex> g(mu_);
       for (auto& c : captures_) {
@@ -860,6 +867,7 @@ class StitchAllocator final : public CCA::CUDAAllocator {
           uncache_block(pool, p, b.size);
           b.live = true;
           b.stream = stream;
+          registration = b.registration;
           pool_reuses_[device_slot(device)]++;
         } else {
           std::shared_ptr<CCA::CUDAAllocator> own = pool.allocator;
@@ -876,8 +884,9 @@ class StitchAllocator final : public CCA::CUDAAllocator {
           }
           g.lock();
           if (p != nullptr) {
+            registration = next_registration_++;
             Pool& pool2 = pools_[pool_id];
-            pool2.blocks[p] = PoolBlock{n, stream, true, next_registration_++};
+            pool2.blocks[p] = PoolBlock{n, stream, true, registration};
           }
         }
       }
@@ -896,20 +905,7 @@ class StitchAllocator final : public CCA::CUDAAllocator {
     a.device = device;
     a.stream = stream;
     a.pool = pool_id;
-    a.registration = -1;
-    if (pool_id != kNoPool) {
-      // A pool block keeps the order of its creation when it is reused.
-      auto pit = pools_.find(pool_id);
-      if (pit != pools_.end()) {
-        auto bit = pit->second.blocks.find(p);
-        if (bit != pit->second.blocks.end()) {
-          a.registration = bit->second.registration;
-        }
-      }
-    }
-    if (a.registration < 0) {
-      a.registration = next_registration_++;
-    }
+    a.registration = registration >= 0 ? registration : next_registration_++;
     if (record_when_ != CDA::RecordContext::NEVER) {
       a.context = ctx;
     }
@@ -1083,12 +1079,7 @@ class StitchAllocator final : public CCA::CUDAAllocator {
   void free_pool_blocks(const std::vector<Released>& blocks) {
     for (auto& b : blocks) {
       if (b.allocator != nullptr) {
-        try {
-          b.allocator->raw_delete(b.ptr);
-        } catch (const std::exception& e) {
-          TORCH_WARN("stitch-alloc: a memory pool's allocator failed to free ", b.ptr, ": ",
-                     e.what());
-        }
+        give_back(*b.allocator, b.ptr);
         continue;
       }
       lib.clear_error();
