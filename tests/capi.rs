@@ -119,17 +119,24 @@ fn run(args: &[&str], conf: &str) -> (bool, String, String) {
     (o.status.success(), out, err)
 }
 
+/// Runs the C test with `conf` and requires it to pass (exit 0, no failed check); returns
+/// (stdout, stderr).
+fn run_passing(args: &[&str], conf: &str) -> (String, String) {
+    let (ok, out, err) = run(args, conf);
+    assert!(ok, "{conf}: the C test failed:\n{out}\n{err}");
+    assert!(out.contains(" passed, 0 failed"), "{out}");
+    (out, err)
+}
+
 #[test]
 fn c_abi_normal_use_and_bad_inputs() {
     if !source_tree("c_abi_normal_use_and_bad_inputs") {
         return;
     }
-    let (ok, out, err) = run(
+    let (out, err) = run_passing(
         &["main"],
         "backend:host,capacity_bytes:256MiB,devices:2,log:warn,max_handle:64MiB",
     );
-    assert!(ok, "the C test failed:\n{out}\n{err}");
-    assert!(out.contains(" passed, 0 failed"), "{out}");
     // The failures were logged (log:warn), not only kept as last errors.
     assert!(err.contains("double free"), "stderr: {err}");
     assert!(err.contains("zero-size") || !err.contains("DEBUG"), "{err}");
@@ -172,9 +179,7 @@ fn c_abi_rejects_bad_configurations() {
         ("backend:host,capacity_fraction:2", "capacity_fraction"),
         ("backend:host,log", "not of the form key:value"),
     ] {
-        let (ok, out, err) = run(&["badconf", needle], conf);
-        assert!(ok, "{conf}: the C test failed:\n{out}\n{err}");
-        assert!(out.contains(" passed, 0 failed"), "{out}");
+        let (_, err) = run_passing(&["badconf", needle], conf);
         // Said once on stderr, whatever the log level.
         let said = err
             .matches("stitch-alloc: invalid STITCH_ALLOC_CONF")
@@ -188,9 +193,7 @@ fn c_abi_sim_backend_and_quiet_log() {
     if !source_tree("c_abi_sim_backend_and_quiet_log") {
         return;
     }
-    let (ok, out, err) = run(&["sim"], "backend:sim,log:off");
-    assert!(ok, "the C test failed:\n{out}\n{err}");
-    assert!(out.contains(" passed, 0 failed"), "{out}");
+    let (_, err) = run_passing(&["sim"], "backend:sim,log:off");
     assert!(err.is_empty(), "log:off prints nothing: {err}");
 }
 
@@ -212,9 +215,7 @@ fn c_abi_fails_cleanly_in_a_forked_child() {
     if !source_tree("c_abi_fails_cleanly_in_a_forked_child") {
         return;
     }
-    let (ok, out, err) = run(&["fork"], "backend:host,capacity_bytes:256MiB,log:warn");
-    assert!(ok, "the C test failed:\n{out}\n{err}");
-    assert!(out.contains(" passed, 0 failed"), "{out}");
+    let (out, err) = run_passing(&["fork"], "backend:host,capacity_bytes:256MiB,log:warn");
     assert!(out.contains("children: 20 clean"), "{out}");
     // Each child said it once on stderr.
     assert!(err.contains("used in a forked child"), "{err}");
@@ -225,12 +226,10 @@ fn c_abi_ipc_between_two_processes() {
     if !source_tree("c_abi_ipc_between_two_processes") {
         return;
     }
-    let (ok, out, err) = run(
+    let (out, _) = run_passing(
         &["ipc"],
         "backend:host,capacity_bytes:256MiB,log:warn,max_handle:4MiB",
     );
-    assert!(ok, "the C test failed:\n{out}\n{err}");
-    assert!(out.contains(" passed, 0 failed"), "{out}");
     assert!(out.contains("ok   child: sees the parent's bytes"), "{out}");
     assert!(out.contains("ok   parent: sees the child's bytes"), "{out}");
 }
