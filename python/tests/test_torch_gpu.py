@@ -549,3 +549,34 @@ def test_extension_user_mempool_can_be_deleted(libpath):
         ext=True,
     )
     assert res == {"sum": float(1 << 20), "after": float(3 << 20)}, res
+
+
+def test_extension_history_completes_a_free_through_a_pools_own_allocator(libpath):
+    """A block of a pool with its own allocator (stitch_alloc.one_handle_pool()) that is
+    freed after its pool was deleted goes back through that allocator; the memory history
+    must show its free completed, as for every other free (it had only free_requested)."""
+    res = run_torch(
+        libpath,
+        """
+        import gc
+        torch.cuda.memory._record_memory_history(max_entries=10000)
+        pool = stitch_alloc.one_handle_pool()
+        with torch.cuda.use_mem_pool(pool):
+            x = torch.ones(3 << 20, dtype=torch.uint8, device="cuda")
+        addr = x.data_ptr()
+        del pool
+        gc.collect()
+        del x
+        gc.collect()
+        torch.cuda.synchronize()
+        snap = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        acts = [e["action"] for t in snap["device_traces"] for e in t if e["addr"] == addr]
+        print("RESULT", json.dumps({"acts": acts}))
+        """,
+        ext=True,
+    )
+    acts = res["acts"]
+    assert "alloc" in acts and "free_requested" in acts, acts
+    assert "free_completed" in acts, acts
+    assert acts.index("free_completed") > acts.index("free_requested"), acts

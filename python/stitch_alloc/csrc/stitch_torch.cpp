@@ -804,14 +804,16 @@ class StitchAllocator final : public CCA::CUDAAllocator {
     }
     if (own != nullptr) {
       give_back(*own, ptr);
-      return true;
+    } else {
+      lib.free(ptr, a.size, a.device, a.stream);
     }
-    lib.free(ptr, a.size, a.device, a.stream);
     {
       std::lock_guard<std::mutex> g(mu_);
       record(CDA::TraceEntry::FREE_COMPLETED, a.device, ptr, a.size, a.stream, a.pool, nullptr);
     }
-    drain_segments(a.device);
+    if (own == nullptr) {
+      drain_segments(a.device);
+    }
     return true;
   }
 
