@@ -69,4 +69,22 @@ fn main() {
         m(d.small_stranded_bytes), m(d.rounding_waste), m(d.free_handle_bytes),
     );
     let _ = runs_with_tail;
+    // Runs of the large pool whose end touches another large run's start (one run would do).
+    let mut spans: Vec<(u64, u64, usize, usize)> = l
+        .runs
+        .iter()
+        .filter(|r| r[0].pool == Pool::Large)
+        .map(|r| {
+            let a = r[0].addr;
+            let z = r.last().unwrap();
+            let lf = usize::from(z.state != "live" && z.state != "pending");
+            let hf = usize::from(r[0].state != "live" && r[0].state != "pending");
+            (a, z.addr + z.size, lf, hf)
+        })
+        .collect();
+    spans.sort();
+    let touching = spans.windows(2).filter(|w| w[0].1 == w[1].0).count();
+    let both_free = spans.windows(2).filter(|w| w[0].1 == w[1].0 && w[0].2 + w[1].3 > 0).count();
+    let gaps: Vec<u64> = spans.windows(2).map(|w| w[1].0.saturating_sub(w[0].1)).filter(|&g| g > 0 && g < (1 << 30)).collect();
+    println!("  runs touching the next: {touching} (a free side at the join: {both_free}); small VA gaps (<1 GiB) between runs: {} totalling {:.0} MiB", gaps.len(), m(gaps.iter().sum()));
 }
