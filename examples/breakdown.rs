@@ -84,7 +84,14 @@ fn main() {
         .collect();
     spans.sort();
     let touching = spans.windows(2).filter(|w| w[0].1 == w[1].0).count();
-    let both_free = spans.windows(2).filter(|w| w[0].1 == w[1].0 && w[0].2 + w[1].3 > 0).count();
-    let gaps: Vec<u64> = spans.windows(2).map(|w| w[1].0.saturating_sub(w[0].1)).filter(|&g| g > 0 && g < (1 << 30)).collect();
+    let both_free = spans
+        .windows(2)
+        .filter(|w| w[0].1 == w[1].0 && w[0].2 + w[1].3 > 0)
+        .count();
+    let gaps: Vec<u64> = spans
+        .windows(2)
+        .map(|w| w[1].0.saturating_sub(w[0].1))
+        .filter(|&g| g > 0 && g < (1 << 30))
+        .collect();
     println!("  runs touching the next: {touching} (a free side at the join: {both_free}); small VA gaps (<1 GiB) between runs: {} totalling {:.0} MiB", gaps.len(), m(gaps.iter().sum()));
 }
