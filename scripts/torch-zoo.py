@@ -343,6 +343,8 @@ def memory_figures(torch, stitch):
         for k in ("stitches", "stitched_handles", "extensions", "driver_calls", "vmm_calls",
                   "driver_time_us", "slow_allocs", "fast_allocs", "event_waits"):
             out[k] = int(m.get(k, 0))
+        # The driver time of each request that called the driver (issue #11: max < 5 ms).
+        out["driver_time_us_per_alloc"] = stitch_alloc.stats(0).get("driver_time_us_per_alloc")
     pr, pq = out["reserved_bytes.all.peak"], out["requested_bytes.all.peak"]
     out["reserved_over_requested"] = pr / pq if pq else None
     return out
@@ -461,6 +463,19 @@ def table(results):
     return "\n".join(lines)
 
 
+def slowest(results):
+    """Per stitch-alloc run: the driver time of the requests that called the driver
+    (count, p50, p99, max), from the C ABI's statistics."""
+    lines = ["| workload | requests that called the driver | p50 | p99 | max |",
+             "|---|---|---|---|---|"]
+    for r in results:
+        t = (r.get("memory") or {}).get("driver_time_us_per_alloc")
+        if t:
+            lines.append(f"| {r['workload']} | {t['count']} | {t['p50_us']:.0f} us | "
+                         f"{t['p99_us']:.0f} us | {t['max_us'] / 1e3:.2f} ms |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def throughput(results):
     """Median step time of each run (steps after the first two), then the median and range
     over the runs of each (workload, allocator), and the ratio of medians to default's."""
@@ -551,7 +566,7 @@ def main(argv=None):
              "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
     except OSError:
         pass
-    text = table(results) + "\n\n" + throughput(results)
+    text = table(results) + "\n\n" + throughput(results) + "\n\n" + slowest(results)
     with open(os.path.join(a.out, "zoo.json"), "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1)
     with open(os.path.join(a.out, "zoo.md"), "w") as f:
