@@ -157,6 +157,10 @@ pub struct ReplayReport {
     pub driver_calls: CallCounts,
     /// Modeled driver time in microseconds.
     pub modeled_driver_us: f64,
+    /// Modeled driver time of each allocation that called the driver (count, median, 99th
+    /// percentile and the slowest, exact), as the C ABI reports the measured time of each
+    /// (`driver_time_us_per_alloc`); `None` without a meter ([`ReplayOptions::meter`]).
+    pub modeled_us_per_alloc: Option<crate::driver::RequestTiming>,
     /// Modeled driver time by call kind.
     pub modeled_driver_by_call: BTreeMap<&'static str, f64>,
     /// `"exact-sizes"` (a [`Metered`] driver) or `"counts"` (call counts at 2–64 MiB prices).
@@ -225,6 +229,22 @@ impl ReplayReport {
             (self.peak_live_bytes > 0).then(|| peak_bytes as f64 / self.peak_live_bytes as f64);
         let diff = i128::from(peak_bytes) - i128::from(self.peak_reserved_bytes);
         self.saved_bytes = Some(i64::try_from(diff).unwrap_or(i64::MAX));
+    }
+}
+
+/// Count, median, 99th percentile and maximum of per-allocation driver times (exact: the
+/// value at that rank of the sorted list).
+fn request_timing(mut us: Vec<f64>) -> crate::driver::RequestTiming {
+    us.sort_by(f64::total_cmp);
+    let at = |q: f64| {
+        let rank = ((q * us.len() as f64).ceil() as usize).clamp(1, us.len().max(1));
+        us.get(rank - 1).copied().unwrap_or(0.0)
+    };
+    crate::driver::RequestTiming {
+        count: us.len() as u64,
+        p50_us: at(0.5),
+        p99_us: at(0.99),
+        max_us: us.last().copied().unwrap_or(0.0),
     }
 }
 
@@ -361,6 +381,8 @@ pub fn replay<D: Driver>(
         None
     };
     let mut in_flight: std::collections::VecDeque<(usize, Stream, WorkId)> = Default::default();
+    // Modeled driver time of each allocation that called the driver (with a meter).
+    let mut per_alloc_us: Vec<f64> = Vec::new();
     ptrs.reserve(1024);
     let mut peak_live = 0u64;
     let mut peak_reserved = 0u64;
@@ -387,7 +409,15 @@ pub fn replay<D: Driver>(
         match *ev {
             Event::Alloc { id, bytes, stream } => {
                 r.allocs += 1;
-                match alloc.alloc(bytes, dev_stream(stream)) {
+                let before = opts.meter.as_ref().map(|m| m.total_us());
+                let got = alloc.alloc(bytes, dev_stream(stream));
+                if let Some(t) = opts.meter.as_ref().map(|m| m.total_us()).zip(before) {
+                    let dt = t.0 - t.1;
+                    if dt > 0.0 {
+                        per_alloc_us.push(dt);
+                    }
+                }
+                match got {
                     Ok(p) => {
                         if let Some(q) = work {
                             let s = dev_stream(stream);
@@ -502,6 +532,7 @@ pub fn replay<D: Driver>(
     r.peak_detail = peak_detail;
     r.final_live_bytes = s.requested.current;
     r.driver_calls = s.calls;
+    r.modeled_us_per_alloc = opts.meter.as_ref().map(|_| request_timing(per_alloc_us));
     match &opts.meter {
         Some(m) => {
             r.modeled_driver_us = m.total_us();

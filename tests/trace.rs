@@ -921,3 +921,48 @@ fn cli_cost_model_override() {
         Some(2)
     );
 }
+
+/// `ReplayReport::modeled_us_per_alloc` (issue #11's slowest-allocation figure on the
+/// simulator): two allocations that each create memory and one that reuses it; the oracle
+/// is the meter's own total over the replay, which only those two requests added to (frees
+/// of a single stream call nothing), so the two per-allocation figures must sum to it.
+#[test]
+fn replay_reports_the_modeled_driver_time_of_each_allocation() {
+    let t = Trace::parse_str("a 1 104857600\na 2 314572800\nf 1\na 3 104857600\n").unwrap();
+    let meter = Meter::new(Default::default());
+    let a = Allocator::new(
+        Metered::new(SimDriver::new(), meter.clone()),
+        Config::default(),
+    )
+    .unwrap();
+    let start = meter.total_us(); // what starting the allocator cost
+    let r = replay(
+        &t,
+        &a,
+        &ReplayOptions {
+            meter: Some(meter.clone()),
+            ..Default::default()
+        },
+    );
+    assert_eq!(r.failed_allocs, 0);
+    assert_eq!(
+        r.fast_allocs, 1,
+        "the third allocation reuses the first's memory"
+    );
+    let p = r.modeled_us_per_alloc.expect("a meter was given");
+    assert_eq!(p.count, 2, "{p:?}");
+    assert!(
+        p.p50_us > 0.0 && p.p50_us <= p.max_us && p.p99_us == p.max_us,
+        "{p:?}"
+    );
+    let total = meter.total_us() - start;
+    assert!(
+        (p.p50_us + p.max_us - total).abs() < 1e-6,
+        "{p:?} against the meter's {total} us"
+    );
+    // Without a meter there is nothing to report.
+    let b = Allocator::new(SimDriver::new(), Config::default()).unwrap();
+    assert!(replay(&t, &b, &ReplayOptions::default())
+        .modeled_us_per_alloc
+        .is_none());
+}

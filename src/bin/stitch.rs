@@ -639,6 +639,15 @@ fn print_report(file: &str, t: &Trace, b: &Built, r: &ReplayReport) {
         ms(r.modeled_driver_us),
         top.join(", ")
     );
+    if let Some(t) = r.modeled_us_per_alloc.filter(|t| t.count > 0) {
+        out!(
+            "per allocation   {} allocs called the driver: median {}, p99 {}, slowest {} (modeled)",
+            thousands(t.count),
+            ms(t.p50_us),
+            ms(t.p99_us),
+            ms(t.max_us)
+        );
+    }
     out!(
         "stitches         {} (moving {} handles), {} in-place extensions; {} handles created, {} released; {} of {} allocs with no driver call",
         r.stitches,
