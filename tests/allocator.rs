@@ -204,6 +204,54 @@ fn same_stream_stitching_maps_an_alias_instead_of_waiting() {
     a.free(ptrs[3], s1).unwrap();
 }
 
+/// The old mappings (ghosts) of one large same-stream stitch are not all removed inside the
+/// next, unrelated request: a slow path that does not wait unmaps at most 64 of them or a
+/// quarter, whichever is more (`ghosts::UNMAPS_PER_POLL`); the rest go on later slow paths
+/// and all at `empty_cache`. Before the bound, the first small request after the device
+/// finished removed all 400 (on the zoo: 794 unmaps, 15 ms, inside one 1 MiB request).
+#[test]
+fn ghost_unmaps_are_spread_over_slow_paths() {
+    let mut cfg = Config::default();
+    cfg.max_handle = 2 << 20; // 2 MiB handles: 100 per 200 MiB tensor
+    cfg.recreate = false;
+    let (d, a) = sim_with(1600 * MIB + 64 * MIB, cfg);
+    let s1 = Stream::sim(1);
+    let ptrs: Vec<_> = (0..8).map(|_| a.alloc(200 * MIB, s1).unwrap()).collect();
+    let work: Vec<_> = ptrs
+        .iter()
+        .step_by(2)
+        .map(|p| d.launch(s1, p.0, 200 * MIB))
+        .collect();
+    for p in ptrs.iter().step_by(2) {
+        a.free(*p, s1).unwrap();
+    }
+    let maps = d.mapping_count();
+    // Past the growth budget the same stream stitches the four holes' 400 handles, mapping
+    // each at the new address while its queued work keeps the old one.
+    let big = a.alloc(800 * MIB, s1).unwrap();
+    assert_eq!(a.stats().aliased_handles, 400);
+    assert_eq!(d.mapping_count(), maps + 400);
+    assert!(work.iter().all(|&w| !d.work_done(w)));
+    d.complete(s1, None);
+    // A small request's slow path (a new small page) removes a bounded share of them.
+    let small = a.alloc(4096, s1).unwrap();
+    let left = d.mapping_count() - maps - 1; // the page is one more mapping
+    assert!(
+        (300..400).contains(&left),
+        "one slow path unmapped {} of 400 old mappings",
+        400 - left
+    );
+    a.validate().unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(d.mapping_count(), maps + 1, "empty_cache removes the rest");
+    for p in ptrs.iter().skip(1).step_by(2) {
+        a.free(*p, s1).unwrap();
+    }
+    a.free(big, s1).unwrap();
+    a.free(small, s1).unwrap();
+    a.validate().unwrap();
+}
+
 #[test]
 fn record_stream_delays_reuse_until_both_streams_finish() {
     let (d, a) = sim(GIB);

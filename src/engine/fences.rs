@@ -415,6 +415,22 @@ impl Engine {
     /// `wait`, block until every free so far is clean, except those of streams that cannot
     /// be fenced (they stay dirty; see the module docs).
     pub(super) fn poll<D: Driver + ?Sized>(&mut self, d: &D, wait: bool) -> Result<()> {
+        self.poll_with(d, wait, usize::MAX)
+    }
+
+    /// [`Engine::poll`] for an allocation's slow path: no waiting, and at most
+    /// [`Engine::ghost_unmap_budget`] old mappings unmapped (the rest on later slow paths).
+    pub(super) fn poll_for_alloc<D: Driver + ?Sized>(&mut self, d: &D) -> Result<()> {
+        let budget = self.ghost_unmap_budget();
+        self.poll_with(d, false, budget)
+    }
+
+    fn poll_with<D: Driver + ?Sized>(
+        &mut self,
+        d: &D,
+        wait: bool,
+        ghost_budget: usize,
+    ) -> Result<()> {
         if !self.fences.undestroyed_events.is_empty() {
             self.retry_undestroyed_events(d);
         }
@@ -429,7 +445,7 @@ impl Engine {
             }
         }
         if !self.ghosts.is_empty() {
-            self.poll_ghosts(d, wait)?;
+            self.poll_ghosts(d, wait, ghost_budget)?;
         }
         self.poll_pending(d, wait);
         Ok(())

@@ -89,7 +89,7 @@ impl Engine {
         self.retry_quarantine(d);
         if !self.ghosts.is_empty() {
             // Unmaps that failed in the poll above: one more try, then give up on them.
-            if let Err(e) = self.poll_ghosts(d, true) {
+            if let Err(e) = self.poll_ghosts(d, true, usize::MAX) {
                 tracing::error!(%e, "unmapping old mappings failed during teardown");
             }
             for e in self.ghosts.events() {

@@ -330,7 +330,7 @@ impl Engine {
         let _span =
             tracing::debug_span!("alloc_slow", size, ?pool, stream = stream.raw()).entered();
         // Frees fenced since the last slow path may have become clean and merged.
-        self.poll(d, false)?;
+        self.poll_for_alloc(d)?;
         let fits = if overfit {
             None
         } else {

@@ -135,7 +135,7 @@ impl Engine {
             .iter()
             .any(|c| self.handles.record(c.handle).ghosts > 0)
         {
-            self.poll_ghosts(d, true)?;
+            self.poll_ghosts(d, true, usize::MAX)?;
             chosen.retain(|c| self.handles.record(c.handle).ghosts == 0);
         }
         carve_order(&mut chosen);
