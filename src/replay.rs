@@ -409,10 +409,10 @@ pub fn replay<D: Driver>(
         match *ev {
             Event::Alloc { id, bytes, stream } => {
                 r.allocs += 1;
-                let before = opts.meter.as_ref().map(|m| m.total_us());
+                let before = opts.meter.as_ref().map(|m| (m, m.total_us()));
                 let got = alloc.alloc(bytes, dev_stream(stream));
-                if let Some(t) = opts.meter.as_ref().map(|m| m.total_us()).zip(before) {
-                    let dt = t.0 - t.1;
+                if let Some((m, t0)) = before {
+                    let dt = m.total_us() - t0;
                     if dt > 0.0 {
                         per_alloc_us.push(dt);
                     }
