@@ -70,24 +70,21 @@ fn main() {
     );
     let _ = runs_with_tail;
     // Runs of the large pool whose end touches another large run's start (one run would do).
-    let mut spans: Vec<(u64, u64, usize, usize)> = l
+    // (start, end, last block free, first block free) of each large run, in address order.
+    let free = |b: &stitch_alloc::BlockView| b.state != "live" && b.state != "pending";
+    let mut spans: Vec<(u64, u64, bool, bool)> = l
         .runs
         .iter()
         .filter(|r| r[0].pool == Pool::Large)
         .map(|r| {
-            let a = r[0].addr;
             let z = r.last().unwrap();
-            let lf = usize::from(z.state != "live" && z.state != "pending");
-            let hf = usize::from(r[0].state != "live" && r[0].state != "pending");
-            (a, z.addr + z.size, lf, hf)
+            (r[0].addr, z.addr + z.size, free(z), free(&r[0]))
         })
         .collect();
     spans.sort();
-    let touching = spans.windows(2).filter(|w| w[0].1 == w[1].0).count();
-    let both_free = spans
-        .windows(2)
-        .filter(|w| w[0].1 == w[1].0 && w[0].2 + w[1].3 > 0)
-        .count();
+    let joins: Vec<_> = spans.windows(2).filter(|w| w[0].1 == w[1].0).collect();
+    let touching = joins.len();
+    let both_free = joins.iter().filter(|w| w[0].2 || w[1].3).count();
     let gaps: Vec<u64> = spans
         .windows(2)
         .map(|w| w[1].0.saturating_sub(w[0].1))
