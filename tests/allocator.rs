@@ -252,6 +252,48 @@ fn ghost_unmaps_are_spread_over_slow_paths() {
     a.validate().unwrap();
 }
 
+/// A slow path whose unmap budget runs out on the last old mapping of one stitch still
+/// destroys that stitch's event. Before the fix the budget check came before the check that
+/// the event had no mappings left, so with other stitches' mappings still listed the event
+/// was dropped undestroyed: the driver's event leaked (found by the zoo's traces at
+/// `handle_divisor` 32).
+#[test]
+fn a_bounded_ghost_poll_destroys_the_event_it_finishes() {
+    let mut cfg = Config::default();
+    cfg.max_handle = 2 << 20; // 2 MiB handles: 32 per 64 MiB tensor
+    cfg.recreate = false;
+    let (d, a) = sim_with(384 * MIB + 8 * MIB, cfg);
+    let s1 = Stream::sim(1);
+    let x: Vec<_> = (0..6).map(|_| a.alloc(64 * MIB, s1).unwrap()).collect();
+    // Two stitches of 64 dirty handles each (the capacity leaves no room to grow): the
+    // first over the holes of x0 and x2, the second over those of x1 and x4.
+    for i in [0, 2] {
+        d.launch(s1, x[i].0, 64 * MIB);
+        a.free(x[i], s1).unwrap();
+    }
+    let first = a.alloc(128 * MIB, s1).unwrap();
+    for i in [1, 4] {
+        d.launch(s1, x[i].0, 64 * MIB);
+        a.free(x[i], s1).unwrap();
+    }
+    let second = a.alloc(128 * MIB, s1).unwrap();
+    assert_eq!(a.stats().aliased_handles, 128);
+    d.complete(s1, None);
+    // This slow path's budget (64) is exactly the first stitch's old mappings.
+    let small = a.alloc(4096, s1).unwrap();
+    a.validate().unwrap();
+    a.empty_cache().unwrap();
+    for p in [first, second, small, x[3], x[5]] {
+        a.free(p, s1).unwrap();
+    }
+    a.empty_cache().unwrap();
+    a.validate().unwrap();
+    drop(a);
+    let leaks = d.leak_report();
+    assert_eq!(leaks.events, 0, "{leaks:?}");
+    assert!(leaks.is_clean(), "{leaks:?}");
+}
+
 #[test]
 fn record_stream_delays_reuse_until_both_streams_finish() {
     let (d, a) = sim(GIB);

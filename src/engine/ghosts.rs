@@ -166,11 +166,9 @@ impl Engine {
                     }
                 }
             }
-            let mut left = false;
             let mut j = 0;
             while j < self.ghosts.list.len() {
                 if budget == 0 {
-                    left = true;
                     break;
                 }
                 if self.ghosts.list[j].event != ev {
@@ -186,7 +184,6 @@ impl Engine {
                     .is_err()
                 {
                     tracing::warn!(addr, size, "unmapping an old mapping failed; retried later");
-                    left = true;
                     j += 1;
                     continue;
                 }
@@ -195,6 +192,9 @@ impl Engine {
                 self.handles.record_mut(handle).ghosts -= 1;
                 self.va.free(addr, size);
             }
+            // The event goes with its last old mapping (whether the budget ran out before,
+            // on or after it; a failed unmap keeps its mapping listed, and so the event).
+            let left = self.ghosts.list.iter().any(|g| g.event == ev);
             if let (Some(e), false) = (ev, left) {
                 self.destroy_event(d, e);
             }
