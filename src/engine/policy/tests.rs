@@ -144,15 +144,17 @@ fn handles_are_sized_to_the_request() {
     };
     let d = SimDriver::with_capacity(64 * M);
     let r = cfg.resolve(d.granularity(), d.mem_info().unwrap()).unwrap();
-    // About request / 16, a power of two times 2 MiB, within [4 MiB, max_handle (20 MiB)].
+    assert_eq!(cfg.handle_divisor, 32);
+    // About request / 32, a power of two times 2 MiB, within [4 MiB, max_handle (20 MiB)].
     assert_eq!(super::handle_size(&r, 8 * M), 4 * M);
-    assert_eq!(super::handle_size(&r, 256 * M), 16 * M);
-    assert_eq!(super::handle_size(&r, 300 * M), 16 * M);
+    assert_eq!(super::handle_size(&r, 256 * M), 8 * M);
+    assert_eq!(super::handle_size(&r, 300 * M), 8 * M);
+    assert_eq!(super::handle_size(&r, 512 * M), 16 * M);
     assert_eq!(super::handle_size(&r, 1 << 30), 20 * M);
     assert_eq!(super::handle_size(&r, 64 << 30), 20 * M);
     // A stitch by re-creation builds one allocation's span: handles up to 128 MiB.
-    assert_eq!(super::recreate_handle_size(&r, 300 * M), 16 * M);
-    assert_eq!(super::recreate_handle_size(&r, 1 << 30), 64 * M);
+    assert_eq!(super::recreate_handle_size(&r, 300 * M), 8 * M);
+    assert_eq!(super::recreate_handle_size(&r, 1 << 30), 32 * M);
     assert_eq!(super::recreate_handle_size(&r, 64 << 30), 128 * M);
     let mut one = cfg.clone();
     one.handle_divisor = 1;
