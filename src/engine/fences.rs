@@ -124,6 +124,12 @@ pub(crate) struct Fences {
     /// Lent events nothing but their waiters refer to any more; destroyed when returned.
     /// Every entry is a key of `lent`.
     pub(crate) orphaned: Vec<EventId>,
+    /// Events recorded and not yet destroyed, counted at the driver calls
+    /// ([`Engine::record_event`], [`Engine::destroy_event`]). Between engine calls it equals
+    /// the number of distinct events the structures above and the ghosts refer to
+    /// ([`Engine::validate_events`]): an event dropped from every list without a destroy
+    /// is a leaked `CUevent`.
+    pub(crate) held: u64,
 }
 
 impl Fences {
@@ -143,6 +149,7 @@ impl Fences {
             extra_streams: FxHashMap::default(),
             lent: FxHashMap::default(),
             orphaned: Vec::new(),
+            held: 0,
         }
     }
 
@@ -398,10 +405,51 @@ impl Engine {
             self.fences.orphaned.push(e);
             return;
         }
-        if let Err(err) = self.driver_call(DriverOp::DestroyEvent, || d.destroy_event(e)) {
-            tracing::warn!(%err, "could not destroy an event; will retry");
-            self.fences.undestroyed_events.push(e);
+        match self.driver_call(DriverOp::DestroyEvent, || d.destroy_event(e)) {
+            Ok(()) => self.fences.held -= 1,
+            Err(err) => {
+                tracing::warn!(%err, "could not destroy an event; will retry");
+                self.fences.undestroyed_events.push(e);
+            }
         }
+    }
+
+    /// Record an event on `stream`, counted in [`Fences::held`] until it is destroyed.
+    pub(super) fn record_event<D: Driver + ?Sized>(
+        &mut self,
+        d: &D,
+        stream: Stream,
+    ) -> crate::driver::DriverResult<EventId> {
+        let e = self.driver_call(DriverOp::RecordEvent, || d.record_event(stream))?;
+        self.fences.held += 1;
+        Ok(e)
+    }
+
+    /// Every event recorded and not destroyed is referred to by a stream's fence, a pending
+    /// free, a ghost, the retry list or a waiter; and nothing refers to one destroyed.
+    pub(super) fn validate_events(&self) -> std::result::Result<(), String> {
+        let f = &self.fences;
+        let mut seen: Vec<u64> = f
+            .owners
+            .iter()
+            .filter_map(|o| o.fence.map(|(e, _)| e))
+            .chain(f.pending.iter().flat_map(|p| p.events.iter().copied()))
+            .chain(f.undestroyed_events.iter().copied())
+            .chain(f.lent.keys().copied())
+            .chain(f.orphaned.iter().copied())
+            .chain(self.ghosts.events())
+            .map(|e| e.raw())
+            .collect();
+        seen.sort_unstable();
+        seen.dedup();
+        if seen.len() as u64 != f.held {
+            return Err(format!(
+                "{} events recorded and not destroyed, but {} referred to",
+                f.held,
+                seen.len()
+            ));
+        }
+        Ok(())
     }
 
     /// Retry destroying events whose destroy failed before.
@@ -476,7 +524,7 @@ impl Engine {
                     // (or invalidate the capture): fence the stream once its capture ends.
                     return Ok(());
                 }
-                let e = match self.driver_call(DriverOp::RecordEvent, || d.record_event(s)) {
+                let e = match self.record_event(d, s) {
                     Ok(e) => e,
                     Err(err) => {
                         self.fence_failed(k, &err);
@@ -551,7 +599,7 @@ impl Engine {
                 i += 1; // fenced once its capture ends (see `poll_owner`)
                 continue;
             }
-            match self.driver_call(DriverOp::RecordEvent, || d.record_event(s)) {
+            match self.record_event(d, s) {
                 Ok(e) => {
                     let p = &mut self.fences.pending[j];
                     p.events.push(e);
@@ -714,7 +762,7 @@ impl Engine {
             if !p.unfenced.contains(&stream) {
                 continue;
             }
-            match self.driver_call(DriverOp::RecordEvent, || d.record_event(stream)) {
+            match self.record_event(d, stream) {
                 Ok(e) => {
                     let p = &mut self.fences.pending[j];
                     p.events.push(e);
@@ -740,5 +788,44 @@ impl Engine {
             self.poll_pending(d, true);
         }
         result
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::driver::{Driver, SimDriver, Stream};
+    use crate::engine::Engine;
+    use crate::Config;
+
+    /// `validate` counts the events recorded and not destroyed against those the structures
+    /// refer to: one dropped from its list without a destroy (a leaked `CUevent`) fails it.
+    #[test]
+    fn validate_catches_an_event_dropped_without_a_destroy() {
+        let d = SimDriver::with_capacity(64 << 20);
+        let r = Config::default()
+            .resolve(d.granularity(), d.mem_info().unwrap())
+            .unwrap();
+        let mut e = Engine::new(&d, r).unwrap();
+        let (s1, s2) = (Stream::sim(1), Stream::sim(2));
+        let p = e.alloc(&d, 4 << 20, s1).unwrap();
+        e.record_stream(p, s2).unwrap();
+        d.launch(s2, p, 4 << 20);
+        e.free(&d, p, s1).unwrap(); // used on two streams: one event per stream
+        assert_eq!(e.fences.held, 2);
+        e.validate().unwrap();
+        let lost = e.fences.pending[0].events.pop().unwrap();
+        let err = e.validate().unwrap_err();
+        assert!(
+            err.contains("2 events recorded and not destroyed, but 1"),
+            "{err}"
+        );
+        e.fences.pending[0].events.push(lost);
+        e.validate().unwrap();
+        d.complete_all();
+        e.poll(&d, true).unwrap();
+        assert_eq!(e.fences.held, 0);
+        e.validate().unwrap();
+        e.teardown(&d);
+        assert!(d.leak_report().is_clean());
     }
 }

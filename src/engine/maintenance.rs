@@ -38,7 +38,7 @@ impl Engine {
         streams.sort();
         streams.dedup();
         for s in streams {
-            match self.driver_call(DriverOp::RecordEvent, || d.record_event(s)) {
+            match self.record_event(d, s) {
                 Ok(e) => {
                     match self.driver_call(DriverOp::WaitEvent, || d.wait_event(e)) {
                         Ok(()) => self.stats.event_waits += 1,

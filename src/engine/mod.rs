@@ -523,7 +523,7 @@ impl Engine {
                     unfenced.push(s); // fenced on a slow path once its capture ends
                     continue;
                 }
-                match self.driver_call(DriverOp::RecordEvent, || d.record_event(s)) {
+                match self.record_event(d, s) {
                     Ok(e) => events.push(e),
                     Err(err) => {
                         tracing::warn!(%err, stream = s.raw(), "cannot fence a stream at a free; retried later");
@@ -597,6 +597,7 @@ impl Engine {
             .validate(&self.arena.blocks, self.arena.bins.len())?;
         let handles = self.handles.validate(&self.va)?;
         let ghost_bytes = self.ghosts.validate(&self.handles, &self.va)?;
+        self.validate_events()?;
         self.va.validate()?;
         // Every block lies in contiguously mapped handles, which the blocks cover exactly.
         for (i, b) in self.arena.blocks.iter().enumerate() {

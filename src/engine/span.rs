@@ -179,7 +179,7 @@ impl Engine {
         let ghost_event = match dirty {
             Some(k) => {
                 let s = self.fences.owner(k).stream;
-                match self.driver_call(DriverOp::RecordEvent, || d.record_event(s)) {
+                match self.record_event(d, s) {
                     Ok(e) => Some(e),
                     Err(e) => {
                         self.handles.unmapped.extend(fresh);
