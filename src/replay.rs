@@ -161,6 +161,11 @@ pub struct ReplayReport {
     /// percentile and the slowest, exact), as the C ABI reports the measured time of each
     /// (`driver_time_us_per_alloc`); `None` without a meter ([`ReplayOptions::meter`]).
     pub modeled_us_per_alloc: Option<crate::driver::RequestTiming>,
+    /// Modeled driver time spent in each tenth of the replayed events, in microseconds (ten
+    /// entries, summing to the replay's share of `modeled_driver_us`): how much of it is
+    /// warm-up, growing to the first peak, and how much recurs in the steady state. Empty
+    /// without a meter ([`ReplayOptions::meter`]).
+    pub modeled_driver_us_by_tenth: Vec<f64>,
     /// Modeled driver time by call kind.
     pub modeled_driver_by_call: BTreeMap<&'static str, f64>,
     /// `"exact-sizes"` (a [`Metered`] driver) or `"counts"` (call counts at 2–64 MiB prices).
@@ -391,11 +396,19 @@ pub fn replay<D: Driver>(
     let mut last_stitches = alloc.stats().stitches;
     let mut probe_time = 0.0f64;
     let limit = opts.stop_after.unwrap_or(usize::MAX);
+    // The meter's total at the start of each tenth of the events replayed.
+    let replayed = trace.events.len().min(limit);
+    let mut tenth_marks: Vec<f64> = Vec::new();
     let dev_stream = |s: u64| opts.streams.get(&s).copied().unwrap_or(Stream::sim(s));
     let t0 = Instant::now();
     for (i, ev) in trace.events.iter().enumerate() {
         if i >= limit {
             break;
+        }
+        if let Some(m) = &opts.meter {
+            while tenth_marks.len() < 10 && i >= tenth_marks.len() * replayed / 10 {
+                tenth_marks.push(m.total_us());
+            }
         }
         if let Some(q) = work {
             while let Some(&(j, s, w)) = in_flight.front() {
@@ -533,6 +546,13 @@ pub fn replay<D: Driver>(
     r.final_live_bytes = s.requested.current;
     r.driver_calls = s.calls;
     r.modeled_us_per_alloc = opts.meter.as_ref().map(|_| request_timing(per_alloc_us));
+    if let Some(m) = &opts.meter {
+        let end = m.total_us();
+        tenth_marks.resize(10, end); // fewer than ten events: the empty tenths cost nothing
+        r.modeled_driver_us_by_tenth = (0..10)
+            .map(|k| tenth_marks.get(k + 1).copied().unwrap_or(end) - tenth_marks[k])
+            .collect();
+    }
     match &opts.meter {
         Some(m) => {
             r.modeled_driver_us = m.total_us();

@@ -745,6 +745,16 @@ fn cli_replay_json_has_every_key() {
     assert_eq!(v["failed_allocs"], 0);
     assert!(v["ratio"].as_f64().unwrap() >= 1.0);
     assert!(v["modeled_driver_us"].as_f64().unwrap() > 0.0);
+    // The CLI replays through a meter: the driver time by tenth of the events is there and
+    // adds up to no more than the whole.
+    let tenths: Vec<f64> = v["modeled_driver_us_by_tenth"]
+        .as_array()
+        .expect("modeled_driver_us_by_tenth")
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect();
+    assert_eq!(tenths.len(), 10);
+    assert!(tenths.iter().sum::<f64>() <= v["modeled_driver_us"].as_f64().unwrap() + 1e-6);
     // PyTorch snapshots replay from the command line too.
     let p = data("torch-small.pickle");
     let v = json(&["replay", p.to_str().unwrap(), "--json", "--backend", "sim"]);
@@ -960,9 +970,56 @@ fn replay_reports_the_modeled_driver_time_of_each_allocation() {
         (p.p50_us + p.max_us - total).abs() < 1e-6,
         "{p:?} against the meter's {total} us"
     );
+    // The same time by tenth of the events (four events: tenths 2, 4, 7 and 9 hold one
+    // each, the others none); the two slow allocations are the first two events.
+    let tenths = &r.modeled_driver_us_by_tenth;
+    assert_eq!(tenths.len(), 10);
+    assert!(
+        (tenths.iter().sum::<f64>() - total).abs() < 1e-6,
+        "{tenths:?}"
+    );
+    let busy: Vec<usize> = (0..10).filter(|&k| tenths[k] > 0.0).collect();
+    assert_eq!(busy, vec![2, 4], "{tenths:?}");
     // Without a meter there is nothing to report.
     let b = Allocator::new(SimDriver::new(), Config::default()).unwrap();
-    assert!(replay(&t, &b, &ReplayOptions::default())
-        .modeled_us_per_alloc
-        .is_none());
+    let plain = replay(&t, &b, &ReplayOptions::default());
+    assert!(plain.modeled_us_per_alloc.is_none());
+    assert!(plain.modeled_driver_us_by_tenth.is_empty());
+}
+
+/// A loop of ten identical steps: the first step creates the memory and the nine after it
+/// reuse it, so all the modeled driver time lies in the first tenth of the events (the
+/// warm-up), none in the steady state.
+#[test]
+fn replay_splits_the_modeled_driver_time_by_tenth_of_the_events() {
+    let mut text = String::new();
+    for step in 0..10u64 {
+        let (x, y) = (2 * step + 1, 2 * step + 2);
+        text += &format!("a {x} 104857600\na {y} 314572800\nf {y}\nf {x}\n");
+    }
+    let t = Trace::parse_str(&text).unwrap();
+    let meter = Meter::new(Default::default());
+    let a = Allocator::new(
+        Metered::new(SimDriver::new(), meter.clone()),
+        Config::default(),
+    )
+    .unwrap();
+    let start = meter.total_us();
+    let r = replay(
+        &t,
+        &a,
+        &ReplayOptions {
+            meter: Some(meter.clone()),
+            ..Default::default()
+        },
+    );
+    assert_eq!(r.failed_allocs, 0);
+    let tenths = &r.modeled_driver_us_by_tenth;
+    assert_eq!(tenths.len(), 10);
+    assert!(tenths[0] > 0.0, "{tenths:?}");
+    assert!(
+        tenths[1..].iter().all(|&t| t == 0.0),
+        "steps after the first reuse their memory: {tenths:?}"
+    );
+    assert!((tenths[0] - (meter.total_us() - start)).abs() < 1e-6);
 }

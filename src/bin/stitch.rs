@@ -648,6 +648,18 @@ fn print_report(file: &str, t: &Trace, b: &Built, r: &ReplayReport) {
             ms(t.max_us)
         );
     }
+    let replay_us: f64 = r.modeled_driver_us_by_tenth.iter().sum();
+    if replay_us > 0.0 {
+        let shares: Vec<String> = r
+            .modeled_driver_us_by_tenth
+            .iter()
+            .map(|t| format!("{:.0}%", 100.0 * t / replay_us))
+            .collect();
+        out!(
+            "by tenth         {} of the modeled driver time in each tenth of the events",
+            shares.join(" ")
+        );
+    }
     out!(
         "stitches         {} (moving {} handles), {} in-place extensions; {} handles created, {} released; {} of {} allocs with no driver call",
         r.stitches,
