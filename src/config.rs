@@ -103,8 +103,9 @@ pub struct Config {
     /// New large-pool memory is created in handles of about `request / handle_divisor`
     /// bytes (a power of two times the granularity, between `split_min` and `max_handle`),
     /// so that a later, smaller request reusing the memory can be cut at a handle boundary
-    /// and strands little (default 32 since 2026-12-01's sixth session, 16 before; 1 = handles
-    /// of `max_handle`, the fewest driver calls). The zoo of real PyTorch workloads (design/zoo.md) measures the trade-off.
+    /// and strands little (default 32 since 2026-12-01's sixth session, 16 before; 1 =
+    /// handles of `max_handle`, the fewest driver calls). The zoo of real PyTorch workloads
+    /// (design/zoo.md) measures the trade-off.
     #[serde(deserialize_with = "de_parsed")]
     pub handle_divisor: u64,
     /// The smallest handle `handle_divisor` splits down to, a multiple of the granularity

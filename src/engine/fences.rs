@@ -426,7 +426,8 @@ impl Engine {
     }
 
     /// Every event recorded and not destroyed is referred to by a stream's fence, a pending
-    /// free, a ghost, the retry list or a waiter; and nothing refers to one destroyed.
+    /// free, a ghost, the retry list or a waiter, and nothing refers to one destroyed: the
+    /// distinct events referred to must be exactly as many as [`Fences::held`].
     pub(super) fn validate_events(&self) -> std::result::Result<(), String> {
         let f = &self.fences;
         let mut seen: Vec<u64> = f
