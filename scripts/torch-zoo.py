@@ -77,13 +77,23 @@ def _llama(torch, layers, hidden, dtype, vocab=32000):
         torch.set_default_dtype(prev)
 
 
+def driver_us():
+    """The C ABI's driver time so far (microseconds) under stitch-alloc, else None; read
+    at the end of each step of the workloads that time their steps (`step_driver_us`), so
+    warm-up and steady state can be told apart (design/zoo.md, "Where the driver time
+    falls")."""
+    if "stitch_alloc" not in sys.modules:
+        return None
+    return int(sys.modules["stitch_alloc"].memory_stats(0).get("driver_time_us", 0))
+
+
 def _train_llm(torch, rng, steps, layers, hidden, max_batch, max_seq, ckpt=False):
     model = _llama(torch, layers, hidden, torch.float32).train()
     model.config.use_cache = False
     if ckpt:
         model.gradient_checkpointing_enable()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    losses, step_seconds = [], []
+    losses, step_seconds, step_driver = [], [], []
     for _ in range(steps):
         t0 = time.perf_counter()
         b, s = rng.randint(1, max_batch), rng.randint(64, max_seq)
@@ -95,9 +105,10 @@ def _train_llm(torch, rng, steps, layers, hidden, max_batch, max_seq, ckpt=False
         opt.zero_grad(set_to_none=True)
         losses.append(round(out.loss.detach().float().item(), 4))  # synchronises
         step_seconds.append(time.perf_counter() - t0)
+        step_driver.append(driver_us())
         del out, ids
     return {"steps": steps, "losses": losses, "step_seconds": step_seconds,
-            "_keep": (model, opt)}
+            "step_driver_us": step_driver, "_keep": (model, opt)}
 
 
 def w_llm_train_s(torch, rng, quick):
@@ -157,7 +168,7 @@ def w_bert_encode(torch, rng, quick):
                      num_attention_heads=12, intermediate_size=3072, max_position_embeddings=512)
     with torch.device("cuda"):
         model = BertModel(cfg).half().eval()
-    n, step_seconds = 0, []
+    n, step_seconds, step_driver = 0, [], []
     with torch.inference_mode():
         for _ in range(8 if quick else 40):
             t0 = time.perf_counter()
@@ -168,8 +179,10 @@ def w_bert_encode(torch, rng, quick):
             n += emb.shape[0]
             torch.cuda.synchronize()
             step_seconds.append(time.perf_counter() - t0)
+            step_driver.append(driver_us())
             del out, ids, emb
-    return {"sentences": n, "step_seconds": step_seconds, "_keep": model}
+    return {"sentences": n, "step_seconds": step_seconds, "step_driver_us": step_driver,
+            "_keep": model}
 
 
 def _train_timm(torch, rng, name, steps, lo, hi):
@@ -463,6 +476,32 @@ def table(results):
     return "\n".join(lines)
 
 
+def steady(results):
+    """Per stitch-alloc run of a workload that times its steps: the C ABI's driver time up to
+    the end of step 2 (the model's set-up included), and in the steps after them with its
+    share of those steps' wall time (issue #11: driver time <= 1% of the wall time; design/
+    zoo.md, "Where the driver time falls")."""
+    lines = ["| workload | steps | driver ms to the end of step 2 | driver ms, later steps | "
+             "share of the later steps' time |", "|---|---|---|---|---|"]
+    for r in results:
+        st, dr = r.get("step_seconds") or [], r.get("step_driver_us") or []
+        if not r.get("ok") or len(st) < 4 or len(dr) != len(st) or None in dr:
+            continue
+        early, late = dr[1], dr[-1] - dr[1]
+        lines.append(f"| {r['workload']} | {len(st)} | {early / 1e3:.1f} | {late / 1e3:.1f} | "
+                     f"{100 * late / 1e6 / sum(st[2:]):.2f}% |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def write_results(a, meta, results):
+    """zoo.json with every result so far: written after each child, so a run cut by a
+    time limit keeps what it measured (run 47 lost its summary that way)."""
+    tmp = os.path.join(a.out, "zoo.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+    os.replace(tmp, os.path.join(a.out, "zoo.json"))
+
+
 def slowest(results):
     """Per stitch-alloc run: the driver time of the requests that called the driver
     (count, p50, p99, max), from the C ABI's statistics."""
@@ -541,6 +580,7 @@ def main(argv=None):
     os.makedirs(a.out, exist_ok=True)
     jobs = [(w, c) for _ in range(max(1, a.repeat)) for w in ws for c in cs]
     results = []
+    partial = {"argv": sys.argv[1:], "jobs": a.jobs, "quick": a.quick, "partial": True}
     with cf.ThreadPoolExecutor(max_workers=max(1, a.jobs)) as ex:
         futs = {ex.submit(run_one, a, w, c): (w, c) for w, c in jobs}
         for f in cf.as_completed(futs):
@@ -551,6 +591,7 @@ def main(argv=None):
             if not r.get("ok"):
                 print(r.get("log_tail", ""), flush=True)
             results.append(r)
+            write_results(a, partial, results)
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "argv": sys.argv[1:], "jobs": a.jobs, "quick": a.quick}
     try:
@@ -566,9 +607,9 @@ def main(argv=None):
              "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
     except OSError:
         pass
-    text = table(results) + "\n\n" + throughput(results) + "\n\n" + slowest(results)
-    with open(os.path.join(a.out, "zoo.json"), "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1)
+    text = (table(results) + "\n\n" + throughput(results) + "\n\n" + slowest(results)
+            + "\n\n" + steady(results))
+    write_results(a, meta, results)
     with open(os.path.join(a.out, "zoo.md"), "w") as f:
         f.write(text + "\n")
     print(text)
