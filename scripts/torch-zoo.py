@@ -28,6 +28,12 @@ with ``--record``, ``DIR/snapshots/<workload>.pickle.gz`` recorded under PyTorch
     python3 scripts/torch-zoo.py --out zoo --record          # everything
     python3 scripts/torch-zoo.py --workloads moe,serve --configs default,stitch --quick
     python3 scripts/torch-zoo.py --list
+    # throughput (issue #11 item 4): one process at a time, the allocators alternating, the
+    # same shapes every step; a table of median step times with a 95% bootstrap interval of
+    # the speed against the default (the workloads that time their steps: llm-train-*,
+    # bert-encode)
+    python3 scripts/torch-zoo.py --workloads llm-train-s,llm-train-l,bert-encode \
+        --configs default,stitch --repeat 5 --jobs 1 --fixed-shapes
 """
 
 import argparse
@@ -363,6 +369,24 @@ def memory_figures(torch, stitch):
     return out
 
 
+class FixedShapes:
+    """`--fixed-shapes`: every draw of a workload's shapes gives the middle of its range, so
+    each step does the same work and step times measure the allocators, not the shapes (the
+    throughput comparison of issue #11 item 4)."""
+
+    def randint(self, lo, hi):
+        return (lo + hi) // 2
+
+    def random(self):
+        return 0.5
+
+    def choice(self, seq):
+        return seq[len(seq) // 2]
+
+    def uniform(self, lo, hi):
+        return (lo + hi) / 2
+
+
 def child(a):
     c = CONFIGS[a.child]
     res = {"workload": a.workload, "config": a.child, "ok": False}
@@ -379,7 +403,7 @@ def child(a):
         torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
                                                  max_entries=20_000_000)
     torch.manual_seed(a.seed)
-    rng = random.Random(f"{a.seed}:{a.workload}")
+    rng = FixedShapes() if a.fixed_shapes else random.Random(f"{a.seed}:{a.workload}")
     fn, kind = WORKLOADS[a.workload]
     t0 = time.perf_counter()
     r = fn(torch, rng, a.quick)
@@ -432,7 +456,8 @@ def run_one(a, workload, config):
     cmd = [sys.executable, os.path.abspath(__file__), "--child", config, "--workload", workload,
            "--result", result, "--seed", str(a.seed), "--out", a.out,
            "--stitch-conf", a.stitch_conf] + (["--record"] if a.record else []) \
-        + (["--quick"] if a.quick else []) + (["--lib", a.lib] if a.lib else [])
+        + (["--quick"] if a.quick else []) + (["--lib", a.lib] if a.lib else []) \
+        + (["--fixed-shapes"] if a.fixed_shapes else [])
     t0 = time.perf_counter()
     try:
         p = subprocess.run(cmd, env=child_env(a, config), capture_output=True, text=True,
@@ -527,14 +552,30 @@ def throughput(results):
             runs.setdefault((r["workload"], r["config"]), []).append(median(st[2:]))
     if not runs:
         return ""
-    lines = ["| workload | allocator | runs | median step | range over runs | speed vs default |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| workload | allocator | runs | median step | range over runs | speed vs default "
+             "| 95% interval |", "|---|---|---|---|---|---|---|"]
     for (w, c), v in sorted(runs.items()):
         ref = runs.get((w, "default"))
         rel = f"{median(ref) / median(v):.3f}" if ref else ""
+        lo, hi = speed_interval(ref, v) if ref and c != "default" else (None, None)
+        ci = f"{lo:.3f}-{hi:.3f}" if lo is not None else ""
         lines.append(f"| {w} | {c} | {len(v)} | {median(v) * 1e3:.1f} ms | "
-                     f"{min(v) * 1e3:.1f}-{max(v) * 1e3:.1f} ms | {rel} |")
+                     f"{min(v) * 1e3:.1f}-{max(v) * 1e3:.1f} ms | {rel} | {ci} |")
     return "\n".join(lines)
+
+
+def speed_interval(ref, runs, resamples=4000):
+    """A 95% bootstrap interval of median(ref) / median(runs) (the speed of `runs` against
+    the default's, per-run median step times), resampling the runs of each side; None with
+    fewer than three runs a side."""
+    from statistics import median
+
+    if len(ref) < 3 or len(runs) < 3:
+        return None, None
+    rng = random.Random(0)
+    ratios = sorted(median(rng.choices(ref, k=len(ref))) / median(rng.choices(runs, k=len(runs)))
+                    for _ in range(resamples))
+    return ratios[int(0.025 * resamples)], ratios[int(0.975 * resamples) - 1]
 
 
 def main(argv=None):
@@ -545,6 +586,9 @@ def main(argv=None):
     p.add_argument("--record", action="store_true",
                    help="record PyTorch default's allocation history as a snapshot per workload")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
+    p.add_argument("--fixed-shapes", action="store_true",
+                   help="the same shapes every step (for throughput; memory figures then "
+                        "differ from the zoo's)")
     p.add_argument("--jobs", type=int, default=3,
                    help="children at once (memory figures are per process; times are not "
                         "comparable with --jobs > 1)")
