@@ -12,6 +12,9 @@
 #                                        # expandable segments vs stitch-alloc, fresh processes)
 #   bash scripts/gpu-session.sh zoo [args]  # scripts/torch-zoo.py --record: the workload zoo,
 #                                        # snapshots packed into $OUT/zoo-snapshots.tgz
+#   bash scripts/gpu-session.sh throughput [args] # scripts/torch-zoo.py --fixed-shapes: step
+#                                        # times, default against stitch-alloc, one process at a
+#                                        # time, 5 each, median and 95% interval of the speed
 #   bash scripts/gpu-session.sh dropin [args] # scripts/torch-dropin.py: torch's memory API,
 #                                        # OOM, cuDNN, torch.compile, graphs, history, IPC
 #                                        # under default and stitch-alloc, one line per case
@@ -89,6 +92,14 @@ zoo)
     [ -d "$zoo/snapshots" ] && tar cf - -C "$zoo" snapshots | split -b 15m - "$out/zoo-snapshots.tar.part-" &&
         ls -la "$out"
     ;;
+throughput)
+    tp=$(mktemp -d)
+    STITCH_ALLOC_LIB=$(pwd)/.gpu/libstitch_alloc.so PYTHONUNBUFFERED=1 \
+        timeout "${THROUGHPUT_TIMEOUT:-560}" python3 scripts/torch-zoo.py --out "$tp" --fixed-shapes \
+        --workloads "${THROUGHPUT_WORKLOADS:-llm-train-s,bert-encode}" --configs default,stitch \
+        --repeat "${THROUGHPUT_REPEAT:-5}" --jobs 1 "${@:2}" 2>&1 | tee "$out/throughput.txt" | tail -30
+    cp "$tp/zoo.json" "$out/throughput.json" 2>/dev/null
+    ;;
 soak)
     # scripts/torch-soak.py: 8 threads for ${SOAK_SECONDS:-180} s, then a short run under
     # compute-sanitizer memcheck (4 threads, 10 s).
@@ -124,7 +135,7 @@ clients)
         "${@:2}" 2>&1 | tee "$out/torch-clients.txt" | tail -60
     ;;
 *)
-    echo "usage: $0 build|suite|torch|zoo|soak|wait|dropin|clients" >&2
+    echo "usage: $0 build|suite|torch|zoo|throughput|soak|wait|dropin|clients" >&2
     exit 2
     ;;
 esac
