@@ -139,6 +139,12 @@ pub struct Stats {
     pub ooms: u64,
     /// Times the allocator blocked on an event before reusing freed memory.
     pub event_waits: u64,
+    /// CUDA events the allocator holds now: recorded to fence frees and stitched memory,
+    /// not yet destroyed (a gauge of the present, kept by [`Stats::reset_accumulated`]).
+    /// Zero once every free and old mapping is done with, after
+    /// [`crate::Allocator::empty_cache`] on an idle device; `validate` checks it against
+    /// the events the allocator's structures refer to.
+    pub events_held: u64,
     /// Driver calls made by the allocator, by kind.
     pub calls: CallCounts,
     /// The highest `requested.current` since the allocator was created: unlike
@@ -175,8 +181,8 @@ impl Stats {
 
     /// Zero every accumulated counter (allocations, frees, paths taken, stitches, handles
     /// created and released, out-of-memory errors, event waits, driver calls): torch's
-    /// `reset_accumulated_memory_stats`. Gauges, `pending_free`, `handles` and
-    /// `preallocated` describe the present and are kept.
+    /// `reset_accumulated_memory_stats`. Gauges, `pending_free`, `handles`, `events_held`
+    /// and `preallocated` describe the present and are kept.
     pub fn reset_accumulated(&mut self) {
         self.allocs = 0;
         self.frees = 0;
@@ -317,6 +323,7 @@ impl fmt::Display for Stats {
             ("  released", self.handles_released),
             ("Out-of-memory failures", self.ooms),
             ("Waits on events", self.event_waits),
+            ("Events held now", self.events_held),
             ("Driver calls", self.calls.total()),
         ] {
             row(f, label, &[n.to_string(), String::new()])?;

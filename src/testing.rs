@@ -906,6 +906,12 @@ impl<T: TestDevice> Harness<T> {
                 self.alloc.stats().reserved.current
             ));
         }
+        if self.alloc.stats().events_held != 0 {
+            return Err(format!(
+                "empty_cache on an idle device left {} events held",
+                self.alloc.stats().events_held
+            ));
+        }
         let report = self.alloc.shutdown();
         if report.leaked_allocations != 0 {
             return Err(format!("shutdown reports leaks: {report:?}"));

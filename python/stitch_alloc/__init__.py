@@ -665,6 +665,7 @@ def memory_stats(device=None):
     ``driver_calls``, ``vmm_calls``, ``driver_time_us`` (wall time inside the driver),
     ``capacity``, ``largest_free_span``, ``free_bytes``,
     ``free_handle_bytes``, ``handles``, ``fast_allocs``, ``slow_allocs``, ``event_waits``,
+    ``events_held`` (CUDA events held now; 0 once idle after ``empty_cache``),
     ``pending_free_bytes``, ``mapped_bytes.current`` / ``.peak``.
 
     Every value is an int; the dict is sorted by key, as torch's is. Counters are 0 until
@@ -692,6 +693,7 @@ def memory_stats(device=None):
             "fast_allocs": s["fast_allocs"],
             "slow_allocs": s["slow_allocs"],
             "event_waits": s["event_waits"],
+            "events_held": s.get("events_held", 0),
             "pending_free_bytes": s["pending_free"],
             "mapped_bytes.current": s["mapped"]["current"],
             "mapped_bytes.peak": s["mapped"]["peak"],

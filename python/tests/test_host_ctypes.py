@@ -57,11 +57,14 @@ def test_memory_stats_keys(lib):
         "stitches",
         "stranded_bytes",
         "driver_calls",
+        "events_held",
     ):
         assert k in m, k
         assert isinstance(m[k], int), k
     assert list(m) == sorted(m)
     assert m["capacity"] == 256 * MIB
+    # The C ABI's own document carries the events held (memory_stats reads it from there).
+    assert isinstance(stitch_alloc.stats(0)["stats"]["events_held"], int)
 
 
 def test_stitching_through_the_c_abi(lib):
@@ -89,6 +92,7 @@ def test_empty_cache_releases(lib):
     assert stitch_alloc.memory_stats(1)["reserved_bytes.all.current"] == 0
     stitch_alloc.empty_cache()  # every device (torch's reset hook)
     assert stitch_alloc.memory_stats(0)["reserved_bytes.all.current"] == 0
+    assert stitch_alloc.memory_stats(1)["events_held"] == 0
 
 
 def test_device_arguments(lib):

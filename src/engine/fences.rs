@@ -124,12 +124,6 @@ pub(crate) struct Fences {
     /// Lent events nothing but their waiters refer to any more; destroyed when returned.
     /// Every entry is a key of `lent`.
     pub(crate) orphaned: Vec<EventId>,
-    /// Events recorded and not yet destroyed, counted at the driver calls
-    /// ([`Engine::record_event`], [`Engine::destroy_event`]). Between engine calls it equals
-    /// the number of distinct events the structures above and the ghosts refer to
-    /// ([`Engine::validate_events`]): an event dropped from every list without a destroy
-    /// is a leaked `CUevent`.
-    pub(crate) held: u64,
 }
 
 impl Fences {
@@ -149,7 +143,6 @@ impl Fences {
             extra_streams: FxHashMap::default(),
             lent: FxHashMap::default(),
             orphaned: Vec::new(),
-            held: 0,
         }
     }
 
@@ -406,7 +399,7 @@ impl Engine {
             return;
         }
         match self.driver_call(DriverOp::DestroyEvent, || d.destroy_event(e)) {
-            Ok(()) => self.fences.held -= 1,
+            Ok(()) => self.stats.events_held -= 1,
             Err(err) => {
                 tracing::warn!(%err, "could not destroy an event; will retry");
                 self.fences.undestroyed_events.push(e);
@@ -414,20 +407,24 @@ impl Engine {
         }
     }
 
-    /// Record an event on `stream`, counted in [`Fences::held`] until it is destroyed.
+    /// Record an event on `stream`, counted in `stats.events_held` until it is destroyed.
+    /// Between engine calls that count equals the number of distinct events the fences, the
+    /// pending frees, the ghosts, the waiters and the retry list refer to
+    /// ([`Engine::validate_events`]): an event dropped from every list without a destroy is
+    /// a leaked `CUevent`.
     pub(super) fn record_event<D: Driver + ?Sized>(
         &mut self,
         d: &D,
         stream: Stream,
     ) -> crate::driver::DriverResult<EventId> {
         let e = self.driver_call(DriverOp::RecordEvent, || d.record_event(stream))?;
-        self.fences.held += 1;
+        self.stats.events_held += 1;
         Ok(e)
     }
 
     /// Every event recorded and not destroyed is referred to by a stream's fence, a pending
     /// free, a ghost, the retry list or a waiter, and nothing refers to one destroyed: the
-    /// distinct events referred to must be exactly as many as [`Fences::held`].
+    /// distinct events referred to must be exactly as many as `stats.events_held`.
     pub(super) fn validate_events(&self) -> std::result::Result<(), String> {
         let f = &self.fences;
         let mut seen: Vec<u64> = f
@@ -443,10 +440,10 @@ impl Engine {
             .collect();
         seen.sort_unstable();
         seen.dedup();
-        if seen.len() as u64 != f.held {
+        if seen.len() as u64 != self.stats.events_held {
             return Err(format!(
                 "{} events recorded and not destroyed, but {} referred to",
-                f.held,
+                self.stats.events_held,
                 seen.len()
             ));
         }
@@ -812,7 +809,7 @@ mod tests {
         e.record_stream(p, s2).unwrap();
         d.launch(s2, p, 4 << 20);
         e.free(&d, p, s1).unwrap(); // used on two streams: one event per stream
-        assert_eq!(e.fences.held, 2);
+        assert_eq!(e.stats.events_held, 2);
         e.validate().unwrap();
         let lost = e.fences.pending[0].events.pop().unwrap();
         let err = e.validate().unwrap_err();
@@ -824,7 +821,7 @@ mod tests {
         e.validate().unwrap();
         d.complete_all();
         e.poll(&d, true).unwrap();
-        assert_eq!(e.fences.held, 0);
+        assert_eq!(e.stats.events_held, 0);
         e.validate().unwrap();
         e.teardown(&d);
         assert!(d.leak_report().is_clean());
