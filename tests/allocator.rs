@@ -31,6 +31,15 @@ fn remapping() -> Config {
     c
 }
 
+/// Handles of one granule (2 MiB) and stitching by remapping: every handle a stitch moves
+/// while its memory is in use leaves an old mapping of its own (the ghost tests count them).
+fn granule_handles() -> Config {
+    let mut c = Config::default();
+    c.max_handle = 2 << 20;
+    c.recreate = false;
+    c
+}
+
 /// Fill the device with 100-300 MiB tensors, then free every other one (from the first):
 /// every allocation made, with its size.
 fn checkerboard(a: &Allocator<Arc<SimDriver>>) -> Vec<(DevicePtr, u64)> {
@@ -211,9 +220,7 @@ fn same_stream_stitching_maps_an_alias_instead_of_waiting() {
 /// finished removed all 400 (on the zoo: 794 unmaps, 15 ms, inside one 1 MiB request).
 #[test]
 fn ghost_unmaps_are_spread_over_slow_paths() {
-    let mut cfg = Config::default();
-    cfg.max_handle = 2 << 20; // 2 MiB handles: 100 per 200 MiB tensor
-    cfg.recreate = false;
+    let cfg = granule_handles(); // 100 handles per 200 MiB tensor
     let (d, a) = sim_with(1600 * MIB + 64 * MIB, cfg);
     let s1 = Stream::sim(1);
     let ptrs: Vec<_> = (0..8).map(|_| a.alloc(200 * MIB, s1).unwrap()).collect();
@@ -259,9 +266,7 @@ fn ghost_unmaps_are_spread_over_slow_paths() {
 /// `handle_divisor` 32).
 #[test]
 fn a_bounded_ghost_poll_destroys_the_event_it_finishes() {
-    let mut cfg = Config::default();
-    cfg.max_handle = 2 << 20; // 2 MiB handles: 32 per 64 MiB tensor
-    cfg.recreate = false;
+    let cfg = granule_handles(); // 32 handles per 64 MiB tensor
     let (d, a) = sim_with(384 * MIB + 8 * MIB, cfg);
     let s1 = Stream::sim(1);
     let x: Vec<_> = (0..6).map(|_| a.alloc(64 * MIB, s1).unwrap()).collect();

@@ -932,13 +932,10 @@ fn cli_cost_model_override() {
     );
 }
 
-/// `ReplayReport::modeled_us_per_alloc` (issue #11's slowest-allocation figure on the
-/// simulator): two allocations that each create memory and one that reuses it; the oracle
-/// is the meter's own total over the replay, which only those two requests added to (frees
-/// of a single stream call nothing), so the two per-allocation figures must sum to it.
-#[test]
-fn replay_reports_the_modeled_driver_time_of_each_allocation() {
-    let t = Trace::parse_str("a 1 104857600\na 2 314572800\nf 1\na 3 104857600\n").unwrap();
+/// Replay `t` on a simulated H200 under the default policy with every driver call metered;
+/// returns the report and the meter's modeled time over the replay alone (starting the
+/// allocator excluded), the oracle the per-allocation and per-tenth figures are checked on.
+fn metered_replay(t: &Trace) -> (stitch_alloc::replay::ReplayReport, f64) {
     let meter = Meter::new(Default::default());
     let a = Allocator::new(
         Metered::new(SimDriver::new(), meter.clone()),
@@ -947,13 +944,24 @@ fn replay_reports_the_modeled_driver_time_of_each_allocation() {
     .unwrap();
     let start = meter.total_us(); // what starting the allocator cost
     let r = replay(
-        &t,
+        t,
         &a,
         &ReplayOptions {
             meter: Some(meter.clone()),
             ..Default::default()
         },
     );
+    (r, meter.total_us() - start)
+}
+
+/// `ReplayReport::modeled_us_per_alloc` (issue #11's slowest-allocation figure on the
+/// simulator): two allocations that each create memory and one that reuses it; the oracle
+/// is the meter's own total over the replay, which only those two requests added to (frees
+/// of a single stream call nothing), so the two per-allocation figures must sum to it.
+#[test]
+fn replay_reports_the_modeled_driver_time_of_each_allocation() {
+    let t = Trace::parse_str("a 1 104857600\na 2 314572800\nf 1\na 3 104857600\n").unwrap();
+    let (r, total) = metered_replay(&t);
     assert_eq!(r.failed_allocs, 0);
     assert_eq!(
         r.fast_allocs, 1,
@@ -965,7 +973,6 @@ fn replay_reports_the_modeled_driver_time_of_each_allocation() {
         p.p50_us > 0.0 && p.p50_us <= p.max_us && p.p99_us == p.max_us,
         "{p:?}"
     );
-    let total = meter.total_us() - start;
     assert!(
         (p.p50_us + p.max_us - total).abs() < 1e-6,
         "{p:?} against the meter's {total} us"
@@ -998,21 +1005,7 @@ fn replay_splits_the_modeled_driver_time_by_tenth_of_the_events() {
         text += &format!("a {x} 104857600\na {y} 314572800\nf {y}\nf {x}\n");
     }
     let t = Trace::parse_str(&text).unwrap();
-    let meter = Meter::new(Default::default());
-    let a = Allocator::new(
-        Metered::new(SimDriver::new(), meter.clone()),
-        Config::default(),
-    )
-    .unwrap();
-    let start = meter.total_us();
-    let r = replay(
-        &t,
-        &a,
-        &ReplayOptions {
-            meter: Some(meter.clone()),
-            ..Default::default()
-        },
-    );
+    let (r, total) = metered_replay(&t);
     assert_eq!(r.failed_allocs, 0);
     let tenths = &r.modeled_driver_us_by_tenth;
     assert_eq!(tenths.len(), 10);
@@ -1021,5 +1014,5 @@ fn replay_splits_the_modeled_driver_time_by_tenth_of_the_events() {
         tenths[1..].iter().all(|&t| t == 0.0),
         "steps after the first reuse their memory: {tenths:?}"
     );
-    assert!((tenths[0] - (meter.total_us() - start)).abs() < 1e-6);
+    assert!((tenths[0] - total).abs() < 1e-6);
 }
