@@ -547,11 +547,11 @@ pub fn replay<D: Driver>(
     r.driver_calls = s.calls;
     r.modeled_us_per_alloc = opts.meter.as_ref().map(|_| request_timing(per_alloc_us));
     if let Some(m) = &opts.meter {
+        // Ten starts (an empty trace has none: its tenths cost nothing), then the end.
         let end = m.total_us();
-        tenth_marks.resize(10, end); // fewer than ten events: the empty tenths cost nothing
-        r.modeled_driver_us_by_tenth = (0..10)
-            .map(|k| tenth_marks.get(k + 1).copied().unwrap_or(end) - tenth_marks[k])
-            .collect();
+        tenth_marks.resize(10, end);
+        tenth_marks.push(end);
+        r.modeled_driver_us_by_tenth = tenth_marks.windows(2).map(|w| w[1] - w[0]).collect();
     }
     match &opts.meter {
         Some(m) => {

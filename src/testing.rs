@@ -900,16 +900,17 @@ impl<T: TestDevice> Harness<T> {
         self.alloc
             .empty_cache()
             .map_err(|e| format!("final empty_cache: {e}"))?;
-        if self.alloc.stats().reserved.current != 0 {
+        let s = self.alloc.stats();
+        if s.reserved.current != 0 {
             return Err(format!(
                 "empty_cache left {} bytes reserved with nothing live",
-                self.alloc.stats().reserved.current
+                s.reserved.current
             ));
         }
-        if self.alloc.stats().events_held != 0 {
+        if s.events_held != 0 {
             return Err(format!(
                 "empty_cache on an idle device left {} events held",
-                self.alloc.stats().events_held
+                s.events_held
             ));
         }
         let report = self.alloc.shutdown();
