@@ -4,34 +4,10 @@
 // cuMemSetAccess, cuMemUnmap and cuMemRelease of 2 MiB and 20 MiB handles on an idle GPU
 // and while a stream of the same context is busy (a queue of large memsets, about 100 ms
 // of work), and reports the medians and the slowest call of each. Build and run on the GPU
-// machine:
+// machine (scripts/vmm-common.h beside it):
 //   g++ -O2 -std=c++17 scripts/vmm-busy.cpp -I/usr/local/cuda/include -lcuda -o vmm-busy
 //   ./vmm-busy
-#include <cuda.h>
-
-#include <algorithm>
-#include <chrono>
-#include <cstdio>
-#include <cstdlib>
-#include <vector>
-
-#define CK(x)                                                                            \
-    do {                                                                                 \
-        CUresult r_ = (x);                                                               \
-        if (r_ != CUDA_SUCCESS) {                                                        \
-            const char* s_ = nullptr;                                                    \
-            cuGetErrorString(r_, &s_);                                                   \
-            std::printf("FAIL %s: %d %s (line %d)\n", #x, (int)r_, s_ ? s_ : "?", __LINE__); \
-            std::exit(1);                                                                \
-        }                                                                                \
-    } while (0)
-
-static CUdevice dev;
-
-static double now_us() {
-    using namespace std::chrono;
-    return duration<double, std::micro>(steady_clock::now().time_since_epoch()).count();
-}
+#include "vmm-common.h"
 
 struct Times {
     std::vector<double> create, map, access, unmap, release;
@@ -45,20 +21,12 @@ static void summary(const char* what, std::vector<double> v) {
 
 // One create-map-access-unmap-release cycle of a handle of `size` at `va`.
 static void cycle(CUdeviceptr va, size_t size, Times& t) {
-    CUmemAllocationProp p = {};
-    p.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-    p.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    p.location.id = (int)dev;
-    CUmemAccessDesc a = {};
-    a.location = p.location;
-    a.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    CUmemGenericAllocationHandle h;
     double t0 = now_us();
-    CK(cuMemCreate(&h, size, &p, 0));
+    CUmemGenericAllocationHandle h = create(size);
     double t1 = now_us();
     CK(cuMemMap(va, size, 0, h, 0));
     double t2 = now_us();
-    CK(cuMemSetAccess(va, size, &a, 1));
+    access(va, size);
     double t3 = now_us();
     CK(cuMemUnmap(va, size));
     double t4 = now_us();
@@ -72,11 +40,7 @@ static void cycle(CUdeviceptr va, size_t size, Times& t) {
 }
 
 int main() {
-    CK(cuInit(0));
-    CK(cuDeviceGet(&dev, 0));
-    CUcontext ctx;
-    CK(cuDevicePrimaryCtxRetain(&ctx, dev));
-    CK(cuCtxSetCurrent(ctx));
+    init_device();
     CUstream busy;
     CK(cuStreamCreate(&busy, CU_STREAM_NON_BLOCKING));
     // The busy stream's work: memsets over a 4 GiB buffer of ordinary device memory.

@@ -2,73 +2,22 @@
 // whether cuMemMap takes a non-zero offset into a handle, whether one piece can be unmapped
 // while the others stay mapped and then be mapped elsewhere with the same bytes, and what
 // cuMemSetAccess costs over N pieces of one handle against N handles and one whole mapping.
-// A lead for design/zoo.md (handle size vs stranding): build and run on the GPU machine,
+// A lead for design/zoo.md (handle size vs stranding): build and run on the GPU machine
+// (scripts/vmm-common.h beside it),
 //   g++ -O2 -std=c++17 scripts/vmm-pieces.cpp -I/usr/local/cuda/include -lcuda -o vmm-pieces
 //   ./vmm-pieces
 // Result on the H200 (driver 580.159.04, CUDA 13.0; design/gpu-results.md run 49): mapping a
 // 16 MiB handle in 2 MiB pieces at offsets is refused with CUDA_ERROR_NOT_SUPPORTED (801),
 // so a handle is mapped whole or not at all and the later sections did not run.
-#include <cuda.h>
-
-#include <algorithm>
-#include <chrono>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
-#include <vector>
 
-#define CK(x)                                                                      \
-    do {                                                                           \
-        CUresult r_ = (x);                                                         \
-        if (r_ != CUDA_SUCCESS) {                                                  \
-            const char* s_ = nullptr;                                              \
-            cuGetErrorString(r_, &s_);                                             \
-            std::printf("FAIL %s: %d %s (line %d)\n", #x, (int)r_, s_ ? s_ : "?", __LINE__); \
-            std::exit(1);                                                          \
-        }                                                                          \
-    } while (0)
+#include "vmm-common.h"
 
-static CUdevice dev;
 static size_t G;
 
-static double now_us() {
-    using namespace std::chrono;
-    return duration<double, std::micro>(steady_clock::now().time_since_epoch()).count();
-}
-
-static double median(std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
-}
-
-static CUmemGenericAllocationHandle create(size_t size) {
-    CUmemAllocationProp p = {};
-    p.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-    p.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    p.location.id = (int)dev;
-    CUmemGenericAllocationHandle h;
-    CK(cuMemCreate(&h, size, &p, 0));
-    return h;
-}
-
-static void access(CUdeviceptr va, size_t size) {
-    CUmemAccessDesc a = {};
-    a.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    a.location.id = (int)dev;
-    a.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    CK(cuMemSetAccess(va, size, &a, 1));
-}
-
 int main() {
-    CK(cuInit(0));
-    CK(cuDeviceGet(&dev, 0));
-    CUcontext ctx;
-    CK(cuDevicePrimaryCtxRetain(&ctx, dev));
-    CK(cuCtxSetCurrent(ctx));
-    CUmemAllocationProp p = {};
-    p.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-    p.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    p.location.id = (int)dev;
+    init_device();
+    CUmemAllocationProp p = pinned_prop();
     CK(cuMemGetAllocationGranularity(&G, &p, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
     int drv = 0;
     CK(cuDriverGetVersion(&drv));
