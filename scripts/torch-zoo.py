@@ -90,7 +90,7 @@ def driver_us():
     falls")."""
     if "stitch_alloc" not in sys.modules:
         return None
-    return int(sys.modules["stitch_alloc"].memory_stats(0).get("driver_time_us", 0))
+    return int(sys.modules["stitch_alloc"].stats(0).get("driver_time_us", 0))
 
 
 def _train_llm(torch, rng, steps, layers, hidden, max_batch, max_seq, ckpt=False):
