@@ -94,8 +94,13 @@ zoo)
     ;;
 throughput)
     tp=$(mktemp -d)
+    # THROUGHPUT_CPUS (a taskset list, e.g. 2-5): every run on the same cores, so that the
+    # processes differ in their allocator rather than in where the scheduler put them.
+    pin=()
+    [ -n "${THROUGHPUT_CPUS:-}" ] && pin=(taskset -c "$THROUGHPUT_CPUS")
+    echo "cpus: ${THROUGHPUT_CPUS:-any}; $(nproc --all) online; governor $(cat /sys/devices/system/cpu/cpu0/cpufreq/scaling_governor 2>/dev/null || echo unknown)" | tee "$out/throughput-cpus.txt"
     STITCH_ALLOC_LIB=$(pwd)/.gpu/libstitch_alloc.so PYTHONUNBUFFERED=1 \
-        timeout "${THROUGHPUT_TIMEOUT:-560}" python3 scripts/torch-zoo.py --out "$tp" --fixed-shapes \
+        timeout "${THROUGHPUT_TIMEOUT:-560}" "${pin[@]}" python3 scripts/torch-zoo.py --out "$tp" --fixed-shapes \
         --workloads "${THROUGHPUT_WORKLOADS:-llm-train-s,bert-encode}" --configs default,stitch \
         --repeat "${THROUGHPUT_REPEAT:-5}" --jobs 1 "${@:2}" 2>&1 | tee "$out/throughput.txt" | tail -30
     cp "$tp/zoo.json" "$out/throughput.json" 2>/dev/null
