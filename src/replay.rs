@@ -161,6 +161,11 @@ pub struct ReplayReport {
     /// percentile and the slowest, exact), as the C ABI reports the measured time of each
     /// (`driver_time_us_per_alloc`); `None` without a meter ([`ReplayOptions::meter`]).
     pub modeled_us_per_alloc: Option<crate::driver::RequestTiming>,
+    /// The [`SLOWEST_KEPT`] allocations with the most modeled driver time, slowest first,
+    /// each with the calls it made: which request sets the slowest figure, and whether its
+    /// time went to new memory (`create`) or to moving free handles (`unmap`). Empty without
+    /// a meter ([`ReplayOptions::meter`]).
+    pub slowest_allocs: Vec<SlowAlloc>,
     /// Modeled driver time spent in each tenth of the replayed events, in microseconds (ten
     /// entries, summing to the replay's share of `modeled_driver_us`): how much of it is
     /// warm-up, growing to the first peak, and how much recurs in the steady state. Empty
@@ -251,6 +256,41 @@ fn request_timing(mut us: Vec<f64>) -> crate::driver::RequestTiming {
         p99_us: at(0.99),
         max_us: us.last().copied().unwrap_or(0.0),
     }
+}
+
+/// How many of the slowest allocations a replay keeps ([`ReplayReport::slowest_allocs`]).
+pub const SLOWEST_KEPT: usize = 5;
+
+/// One of a replay's slowest allocations ([`ReplayReport::slowest_allocs`]).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct SlowAlloc {
+    /// Its index among the trace's events.
+    pub event: usize,
+    /// Requested bytes.
+    pub bytes: u64,
+    /// Its modeled driver time, microseconds.
+    pub modeled_us: f64,
+    /// The driver calls it made, by kind (kinds it did not call left out).
+    pub calls: BTreeMap<&'static str, u64>,
+}
+
+/// Keep `slow` at the [`SLOWEST_KEPT`] slowest, slowest first, with `cand` considered.
+fn keep_slowest(slow: &mut Vec<SlowAlloc>, cand: SlowAlloc) {
+    if slow.len() == SLOWEST_KEPT && slow.last().is_some_and(|l| l.modeled_us >= cand.modeled_us) {
+        return;
+    }
+    let at = slow.partition_point(|x| x.modeled_us >= cand.modeled_us);
+    slow.insert(at, cand);
+    slow.truncate(SLOWEST_KEPT);
+}
+
+/// The calls made between two readings of a meter's counts, by kind.
+fn calls_between(before: &CallCounts, after: &CallCounts) -> BTreeMap<&'static str, u64> {
+    after
+        .iter()
+        .map(|(op, n)| (op.name(), n - before.get(op)))
+        .filter(|&(_, n)| n > 0)
+        .collect()
 }
 
 fn modeled<D: Driver>(a: &Allocator<D>, opts: &ReplayOptions) -> f64 {
@@ -388,6 +428,7 @@ pub fn replay<D: Driver>(
     let mut in_flight: std::collections::VecDeque<(usize, Stream, WorkId)> = Default::default();
     // Modeled driver time of each allocation that called the driver (with a meter).
     let mut per_alloc_us: Vec<f64> = Vec::new();
+    let mut slowest: Vec<SlowAlloc> = Vec::new();
     ptrs.reserve(1024);
     let mut peak_live = 0u64;
     let mut peak_reserved = 0u64;
@@ -422,12 +463,22 @@ pub fn replay<D: Driver>(
         match *ev {
             Event::Alloc { id, bytes, stream } => {
                 r.allocs += 1;
-                let before = opts.meter.as_ref().map(|m| (m, m.total_us()));
+                let before = opts.meter.as_ref().map(|m| (m, m.totals()));
                 let got = alloc.alloc(bytes, dev_stream(stream));
-                if let Some((m, t0)) = before {
+                if let Some((m, (t0, c0))) = before {
                     let dt = m.total_us() - t0;
                     if dt > 0.0 {
                         per_alloc_us.push(dt);
+                        let cand = SlowAlloc {
+                            event: i,
+                            bytes,
+                            modeled_us: dt,
+                            calls: BTreeMap::new(),
+                        };
+                        keep_slowest(&mut slowest, cand);
+                        if let Some(k) = slowest.iter_mut().find(|x| x.event == i) {
+                            k.calls = calls_between(&c0, &m.calls());
+                        }
                     }
                 }
                 match got {
@@ -546,6 +597,7 @@ pub fn replay<D: Driver>(
     r.final_live_bytes = s.requested.current;
     r.driver_calls = s.calls;
     r.modeled_us_per_alloc = opts.meter.as_ref().map(|_| request_timing(per_alloc_us));
+    r.slowest_allocs = slowest;
     if let Some(m) = &opts.meter {
         // Ten starts (an empty trace has none: its tenths cost nothing), then the end.
         let end = m.total_us();
@@ -581,4 +633,38 @@ pub fn replay<D: Driver>(
     r.event_waits = s.event_waits;
     r.timeline = tl;
     r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn slow(event: usize, us: f64) -> SlowAlloc {
+        SlowAlloc {
+            event,
+            bytes: 1,
+            modeled_us: us,
+            calls: BTreeMap::new(),
+        }
+    }
+
+    /// Of more than [`SLOWEST_KEPT`] candidates in any order, the slowest are kept, slowest
+    /// first; on a tie the earlier event stays ahead and a later equal one past the limit
+    /// is not taken.
+    #[test]
+    fn keep_slowest_keeps_the_slowest_in_order() {
+        let times = [3.0, 9.0, 1.0, 7.0, 7.0, 2.0, 8.0, 5.0, 7.0];
+        let mut kept = Vec::new();
+        for (i, &t) in times.iter().enumerate() {
+            keep_slowest(&mut kept, slow(i, t));
+        }
+        let got: Vec<(usize, f64)> = kept.iter().map(|s| (s.event, s.modeled_us)).collect();
+        assert_eq!(got, vec![(1, 9.0), (6, 8.0), (3, 7.0), (4, 7.0), (8, 7.0)]);
+        keep_slowest(&mut kept, slow(9, 7.0));
+        assert_eq!(
+            kept.last().unwrap().event,
+            8,
+            "a tie past the limit is not taken"
+        );
+    }
 }

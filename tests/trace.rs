@@ -1016,3 +1016,75 @@ fn replay_splits_the_modeled_driver_time_by_tenth_of_the_events() {
     );
     assert!((tenths[0] - total).abs() < 1e-6);
 }
+
+/// `ReplayReport::slowest_allocs`: five allocations that each create memory, of different
+/// sizes, and one reuse. All five are kept (the report keeps `SLOWEST_KEPT` = 5), slowest
+/// first; each names its own event and size in the trace; and the oracle for the calls is
+/// the meter itself: over the replay only these five allocations called the driver, so
+/// their calls must add up to the meter's counts and their times to its total.
+#[test]
+fn replay_names_the_slowest_allocations_and_their_calls() {
+    use stitch_alloc::driver::DriverOp;
+    use stitch_alloc::replay::SLOWEST_KEPT;
+    let sizes = [300u64, 100, 700, 200, 500].map(|m| m << 20);
+    let mut text = String::new();
+    for (i, b) in sizes.iter().enumerate() {
+        text += &format!("a {} {b}\n", i + 1);
+    }
+    text += "f 2\na 9 104857600\n"; // reuses the 100 MiB block: no driver call
+    let t = Trace::parse_str(&text).unwrap();
+    let meter = Meter::new(Default::default());
+    let a = Allocator::new(
+        Metered::new(SimDriver::new(), meter.clone()),
+        Config::default(),
+    )
+    .unwrap();
+    let (us0, calls0) = meter.totals();
+    let r = replay(
+        &t,
+        &a,
+        &ReplayOptions {
+            meter: Some(meter.clone()),
+            ..Default::default()
+        },
+    );
+    let (us1, calls1) = meter.totals();
+    assert_eq!(r.failed_allocs, 0);
+    let slow = &r.slowest_allocs;
+    assert_eq!(slow.len(), SLOWEST_KEPT, "{slow:?}");
+    assert!(
+        slow.windows(2).all(|w| w[0].modeled_us >= w[1].modeled_us),
+        "{slow:?}"
+    );
+    let mut events: Vec<usize> = slow.iter().map(|s| s.event).collect();
+    events.sort();
+    assert_eq!(
+        events,
+        vec![0, 1, 2, 3, 4],
+        "the reuse (event 6) called nothing"
+    );
+    for s in slow {
+        assert_eq!(s.bytes, sizes[s.event], "{s:?}");
+        assert!(s.calls.get("create").is_some_and(|&n| n > 0), "{s:?}");
+    }
+    assert_eq!(
+        slow[0].modeled_us,
+        r.modeled_us_per_alloc.unwrap().max_us,
+        "the first is the slowest"
+    );
+    let sum_us: f64 = slow.iter().map(|s| s.modeled_us).sum();
+    assert!(
+        (sum_us - (us1 - us0)).abs() < 1e-6,
+        "{sum_us} against {}",
+        us1 - us0
+    );
+    for op in [DriverOp::Create, DriverOp::Map, DriverOp::SetAccess] {
+        let sum: u64 = slow.iter().filter_map(|s| s.calls.get(op.name())).sum();
+        assert_eq!(sum, calls1.get(op) - calls0.get(op), "{op:?}");
+    }
+    // Without a meter there is nothing to report.
+    let b = Allocator::new(SimDriver::new(), Config::default()).unwrap();
+    assert!(replay(&t, &b, &ReplayOptions::default())
+        .slowest_allocs
+        .is_empty());
+}

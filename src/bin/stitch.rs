@@ -648,6 +648,21 @@ fn print_report(file: &str, t: &Trace, b: &Built, r: &ReplayReport) {
             ms(t.max_us)
         );
     }
+    for (k, a) in r.slowest_allocs.iter().take(3).enumerate() {
+        let calls: Vec<String> = a.calls.iter().map(|(op, n)| format!("{op} {n}")).collect();
+        out!(
+            "{}{} for {} at event {} ({})",
+            if k == 0 {
+                "slowest allocs   "
+            } else {
+                "                 "
+            },
+            ms(a.modeled_us),
+            gib(a.bytes),
+            thousands(a.event as u64),
+            calls.join(", ")
+        );
+    }
     let replay_us: f64 = r.modeled_driver_us_by_tenth.iter().sum();
     if replay_us > 0.0 {
         let shares: Vec<String> = r

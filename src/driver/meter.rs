@@ -215,6 +215,22 @@ impl Meter {
             .collect()
     }
 
+    /// Modeled microseconds and calls so far, read together ([`Meter::total_us`],
+    /// [`Meter::calls`]).
+    ///
+    /// ```
+    /// use stitch_alloc::driver::{Driver, SimDriver, Timed, DriverOp};
+    /// let d = Timed::new(SimDriver::with_capacity(1 << 30));
+    /// let va = d.reserve(1 << 21).unwrap();
+    /// let (us, calls) = d.meter().totals();
+    /// assert_eq!((us, calls.get(DriverOp::Reserve)), (d.meter().total_us(), 1));
+    /// d.free_reservation(va, 1 << 21).unwrap();
+    /// ```
+    pub fn totals(&self) -> (f64, CallCounts) {
+        let s = self.state.lock();
+        (s.total_us, s.ledger.calls)
+    }
+
     /// Calls seen so far, by kind (failed ones included).
     pub fn calls(&self) -> CallCounts {
         self.state.lock().ledger.calls
