@@ -163,8 +163,9 @@ pub struct ReplayReport {
     pub modeled_us_per_alloc: Option<crate::driver::RequestTiming>,
     /// The [`SLOWEST_KEPT`] allocations with the most modeled driver time, slowest first,
     /// each with the calls it made: which request sets the slowest figure, and whether its
-    /// time went to new memory (`create`) or to moving free handles (`unmap`). Empty without
-    /// a meter ([`ReplayOptions::meter`]).
+    /// time went to new memory (`create`) or to free handles moved from elsewhere (`map`
+    /// beyond `create`; a moved handle its old place may still be using is unmapped there
+    /// later, by another request). Empty without a meter ([`ReplayOptions::meter`]).
     pub slowest_allocs: Vec<SlowAlloc>,
     /// Modeled driver time spent in each tenth of the replayed events, in microseconds (ten
     /// entries, summing to the replay's share of `modeled_driver_us`): how much of it is
@@ -466,19 +467,18 @@ pub fn replay<D: Driver>(
                 let before = opts.meter.as_ref().map(|m| (m, m.totals()));
                 let got = alloc.alloc(bytes, dev_stream(stream));
                 if let Some((m, (t0, c0))) = before {
-                    let dt = m.total_us() - t0;
+                    let (t1, c1) = m.totals();
+                    let dt = t1 - t0;
                     if dt > 0.0 {
                         per_alloc_us.push(dt);
+                        let calls = calls_between(&c0, &c1);
                         let cand = SlowAlloc {
                             event: i,
                             bytes,
                             modeled_us: dt,
-                            calls: BTreeMap::new(),
+                            calls,
                         };
                         keep_slowest(&mut slowest, cand);
-                        if let Some(k) = slowest.iter_mut().find(|x| x.event == i) {
-                            k.calls = calls_between(&c0, &m.calls());
-                        }
                     }
                 }
                 match got {
