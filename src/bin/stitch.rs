@@ -130,6 +130,10 @@ struct AllocArgs {
     #[arg(long)]
     no_stitch: bool,
     #[arg(long, value_parser = parse_size, help = config_help(
+        "Requests up to this size go to the small pool's pages", "small_threshold",
+        size_text(Config::default().small_threshold)))]
+    small_threshold: Option<u64>,
+    #[arg(long, value_parser = parse_size, help = config_help(
         "Smallest handle created for a large request", "min_handle", "the granularity".into()))]
     min_handle: Option<u64>,
     #[arg(long, value_parser = parse_size, help = config_help(
@@ -177,6 +181,9 @@ impl AllocArgs {
         let mut c = Config::default()
             .with_stitching(!self.no_stitch)
             .with_paranoid(self.paranoid);
+        if let Some(v) = self.small_threshold {
+            c = c.with_small_threshold(v);
+        }
         if let Some(v) = self.min_handle {
             c.min_handle = Some(v);
         }
@@ -976,6 +983,7 @@ fn demo_run(t: &Trace, stitching: bool, backend: Backend) -> Result<ReplayReport
         backend,
         capacity: None,
         no_stitch: !stitching,
+        small_threshold: None,
         min_handle: None,
         max_handle: None,
         handle_divisor: None,
