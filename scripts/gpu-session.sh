@@ -18,6 +18,8 @@
 #   bash scripts/gpu-session.sh dropin [args] # scripts/torch-dropin.py: torch's memory API,
 #                                        # OOM, cuDNN, torch.compile, graphs, history, IPC
 #                                        # under default and stitch-alloc, one line per case
+#   AB_B=conf bash scripts/gpu-session.sh ab # the zoo under two STITCH_ALLOC_CONF settings,
+#                                        # alternating (AB_A, AB_B, AB_REPEAT), medians side by side
 #   bash scripts/gpu-session.sh clients [args] # scripts/torch-clients.py: real clients unchanged
 #                                        # (timm, Lightning, transformers generate/Trainer, peft,
 #                                        # torch.compile) under default and stitch-alloc, results
@@ -104,6 +106,47 @@ throughput)
         --workloads "${THROUGHPUT_WORKLOADS:-llm-train-s,bert-encode}" --configs default,stitch \
         --repeat "${THROUGHPUT_REPEAT:-5}" --jobs 1 "${@:2}" 2>&1 | tee "$out/throughput.txt" | tail -30
     cp "$tp/zoo.json" "$out/throughput.json" 2>/dev/null
+    ;;
+ab)
+    # One stitch-alloc setting against another through torch (the simulator shortlists,
+    # torch decides: design/zoo.md): AB_A and AB_B are STITCH_ALLOC_CONF strings, run
+    # alternately AB_REPEAT times each over the zoo (AB_WORKLOADS, default all), then the
+    # median per workload and the geometric mean of each side. About 140 s per side and
+    # repeat at --jobs 4 (memory figures only: driver times need --jobs 1).
+    a_conf=${AB_A:-backend:cuda,log:error}
+    b_conf=${AB_B:?AB_B: the STITCH_ALLOC_CONF to compare, e.g. backend:cuda,log:error,small_threshold:256KiB}
+    for r in $(seq 1 "${AB_REPEAT:-1}"); do
+        for side in a b; do
+            conf=$a_conf
+            [ "$side" = b ] && conf=$b_conf
+            STITCH_ALLOC_LIB=$(pwd)/.gpu/libstitch_alloc.so PYTHONUNBUFFERED=1 \
+                timeout "${AB_TIMEOUT:-280}" python3 scripts/torch-zoo.py --out "$out/ab-$side-$r" \
+                --configs stitch --jobs 4 --stitch-conf "$conf" \
+                ${AB_WORKLOADS:+--workloads "$AB_WORKLOADS"} 2>&1 | grep -E "ratio=|Error" | sed "s/^/$side$r /"
+        done
+    done
+    python3 - "$out" "$a_conf" "$b_conf" <<'PY'
+import glob, json, math, os, statistics, sys
+out, confs = sys.argv[1], {"a": sys.argv[2], "b": sys.argv[3]}
+ratios = {"a": {}, "b": {}}
+for side in "ab":
+    for f in glob.glob(os.path.join(out, f"ab-{side}-*", "zoo.json")):
+        for r in json.load(open(f))["results"]:
+            m = r.get("memory") or {}
+            if r.get("ok") and m.get("reserved_over_requested"):
+                ratios[side].setdefault(r["workload"], []).append(m["reserved_over_requested"])
+print("| workload | A runs | B runs | A median | B median |")
+print("|---|---|---|---|---|")
+common = sorted(set(ratios["a"]) & set(ratios["b"]))
+for w in common:
+    a, b = ratios["a"][w], ratios["b"][w]
+    print(f"| {w} | {', '.join(f'{x:.4f}' for x in a)} | {', '.join(f'{x:.4f}' for x in b)} "
+          f"| {statistics.median(a):.4f} | {statistics.median(b):.4f} |")
+for side in "ab":
+    if common:
+        g = math.exp(statistics.fmean(math.log(statistics.median(ratios[side][w])) for w in common))
+        print(f"{side.upper()} ({confs[side]}): geometric mean of the medians {g:.4f} over {len(common)}")
+PY
     ;;
 soak)
     # scripts/torch-soak.py: 8 threads for ${SOAK_SECONDS:-180} s, then a short run under
