@@ -79,6 +79,18 @@ proptest! {
         h.run(&ops).map_err(TestCaseError::fail)?;
     }
 
+    /// Finer handles (README's setting for long training runs: at most 8 MiB, request / 64,
+    /// down to one granule): handles of several sizes in one span, one-granule handles at
+    /// span ends, many handles per stitch.
+    #[test]
+    fn sim_fine_handles(ops in prop::collection::vec(common::op(256 * MIB, true), 1..200)) {
+        let mut cfg = Config::default().with_handle_sizes(0, 8 * MIB).with_reserve_slack(0.0, 0);
+        cfg.split_min = 2 * MIB;
+        cfg.handle_divisor = 64;
+        let h = Harness::new(SimDriver::with_capacity(256 * MIB), cfg).unwrap();
+        h.run(&ops).map_err(TestCaseError::fail)?;
+    }
+
     /// The medium pool on (requests of 1-8 MiB packed into 32 MiB pages).
     #[test]
     fn sim_medium_pool(ops in prop::collection::vec(common::op(256 * MIB, true), 1..200)) {
