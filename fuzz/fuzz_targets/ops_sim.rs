@@ -16,7 +16,10 @@ fuzz_target!(|data: &[u8]| {
             let mut cfg = Config::default()
                 .with_stitching(b & 1 == 0)
                 .with_reserve_slack(if b & 2 == 0 { 0.0 } else { 0.01 }, 0)
-                .with_handle_sizes(0, [4 * MIB, 16 * MIB, 64 * MIB, 128 * MIB][(b >> 2 & 3) as usize])
+                .with_handle_sizes(
+                    0,
+                    [4 * MIB, 16 * MIB, 64 * MIB, 128 * MIB][(b >> 2 & 3) as usize],
+                )
                 .with_medium(if b & 16 == 0 { 0 } else { 8 * MIB }, 32 * MIB);
             if b & 32 != 0 {
                 // Finer handles, down to one granule (README's setting for training runs).
