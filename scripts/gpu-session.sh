@@ -183,7 +183,7 @@ clients)
         "${@:2}" 2>&1 | tee "$out/torch-clients.txt" | tail -60
     ;;
 *)
-    echo "usage: $0 build|suite|torch|zoo|throughput|soak|wait|dropin|clients" >&2
+    echo "usage: $0 build|suite|torch|zoo|throughput|ab|soak|wait|dropin|clients" >&2
     exit 2
     ;;
 esac
