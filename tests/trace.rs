@@ -4,7 +4,7 @@ use serde_pickle::{HashableValue, SerOptions, Value};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use stitch_alloc::driver::SimDriver;
+use stitch_alloc::driver::{CallCounts, SimDriver};
 use stitch_alloc::replay::{replay, Meter, Metered, ReplayOptions};
 use stitch_alloc::trace::gen::{self, Kind, Rng, Scale};
 use stitch_alloc::trace::{self, Event, Format, ReadOptions, Trace, TraceError};
@@ -932,17 +932,20 @@ fn cli_cost_model_override() {
     );
 }
 
+/// The meter's modeled microseconds and calls before and after a replay ([`Meter::totals`]).
+type MeterSpan = ((f64, CallCounts), (f64, CallCounts));
+
 /// Replay `t` on a simulated H200 under the default policy with every driver call metered;
-/// returns the report and the meter's modeled time over the replay alone (starting the
+/// returns the report and the meter's readings around the replay alone (starting the
 /// allocator excluded), the oracle the per-allocation and per-tenth figures are checked on.
-fn metered_replay(t: &Trace) -> (stitch_alloc::replay::ReplayReport, f64) {
+fn metered_replay_span(t: &Trace) -> (stitch_alloc::replay::ReplayReport, MeterSpan) {
     let meter = Meter::new(Default::default());
     let a = Allocator::new(
         Metered::new(SimDriver::new(), meter.clone()),
         Config::default(),
     )
     .unwrap();
-    let start = meter.total_us(); // what starting the allocator cost
+    let start = meter.totals(); // after what starting the allocator cost
     let r = replay(
         t,
         &a,
@@ -951,7 +954,13 @@ fn metered_replay(t: &Trace) -> (stitch_alloc::replay::ReplayReport, f64) {
             ..Default::default()
         },
     );
-    (r, meter.total_us() - start)
+    (r, (start, meter.totals()))
+}
+
+/// [`metered_replay_span`] with the modeled time over the replay only.
+fn metered_replay(t: &Trace) -> (stitch_alloc::replay::ReplayReport, f64) {
+    let (r, ((us0, _), (us1, _))) = metered_replay_span(t);
+    (r, us1 - us0)
 }
 
 /// `ReplayReport::modeled_us_per_alloc` (issue #11's slowest-allocation figure on the
@@ -1033,22 +1042,7 @@ fn replay_names_the_slowest_allocations_and_their_calls() {
     }
     text += "f 2\na 9 104857600\n"; // reuses the 100 MiB block: no driver call
     let t = Trace::parse_str(&text).unwrap();
-    let meter = Meter::new(Default::default());
-    let a = Allocator::new(
-        Metered::new(SimDriver::new(), meter.clone()),
-        Config::default(),
-    )
-    .unwrap();
-    let (us0, calls0) = meter.totals();
-    let r = replay(
-        &t,
-        &a,
-        &ReplayOptions {
-            meter: Some(meter.clone()),
-            ..Default::default()
-        },
-    );
-    let (us1, calls1) = meter.totals();
+    let (r, ((us0, calls0), (us1, calls1))) = metered_replay_span(&t);
     assert_eq!(r.failed_allocs, 0);
     let slow = &r.slowest_allocs;
     assert_eq!(slow.len(), SLOWEST_KEPT, "{slow:?}");
