@@ -93,7 +93,8 @@ pub struct Config {
     #[serde(deserialize_with = "de_opt_size")]
     pub min_handle: Option<u64>,
     /// Largest handle created to grow the pool, a multiple of the granularity; a larger need
-    /// is built from several (default 20 MiB, the page of PyTorch's expandable segments). A
+    /// is built from several (default 8 MiB since 2026-12-02, 20 MiB, the page of PyTorch's
+    /// expandable segments, before). A
     /// stitch by re-creation, which builds one allocation's span, creates handles of up to
     /// 128 MiB (or this, if larger). Smaller values strand less memory but cost more driver
     /// calls (see `design/ARCHITECTURE.md`, section 4.4, and design/zoo.md for the measured
@@ -103,13 +104,14 @@ pub struct Config {
     /// New large-pool memory is created in handles of about `request / handle_divisor`
     /// bytes (a power of two times the granularity, between `split_min` and `max_handle`),
     /// so that a later, smaller request reusing the memory can be cut at a handle boundary
-    /// and strands little (default 32 since 2026-12-01's sixth session, 16 before; 1 =
+    /// and strands little (default 64 since 2026-12-02, 32 before, 16 before that; 1 =
     /// handles of `max_handle`, the fewest driver calls). The zoo of real PyTorch workloads
     /// (design/zoo.md) measures the trade-off.
     #[serde(deserialize_with = "de_parsed")]
     pub handle_divisor: u64,
     /// The smallest handle `handle_divisor` splits down to, a multiple of the granularity
-    /// (default 4 MiB): the floor under the number of driver calls per byte created.
+    /// (default 2 MiB, one granule, since 2026-12-02; 4 MiB before): the floor under the
+    /// number of driver calls per byte created.
     #[serde(deserialize_with = "de_size")]
     pub split_min: u64,
     /// When stitching moves two or more clean free handles, release them and create the
@@ -180,9 +182,9 @@ impl Default for Config {
             medium_threshold: None,
             medium_page: 64 << 20,
             min_handle: None,
-            max_handle: 20 << 20,
-            handle_divisor: 32,
-            split_min: 4 << 20,
+            max_handle: 8 << 20,
+            handle_divisor: 64,
+            split_min: 2 << 20,
             recreate: true,
             contiguous: true,
             stitching: true,
@@ -886,10 +888,11 @@ mod tests {
     fn defaults_resolve_as_documented() {
         let r = Config::default().resolve(G, DEV).unwrap();
         assert_eq!(r.capacity, 1 << 30);
-        assert_eq!((r.small_page, r.min_handle, r.max_handle), (G, G, 20 * MIB));
+        assert_eq!((r.small_page, r.min_handle, r.max_handle), (G, G, 8 * MIB));
+        assert_eq!((r.handle_divisor, r.split_min), (64, G));
         assert_eq!(r.medium_threshold, r.small_threshold, "medium pool off");
         // The medium page (64 MiB asked) is one handle at most: max_handle.
-        assert_eq!(r.medium_page, 20 * MIB);
+        assert_eq!(r.medium_page, 8 * MIB);
         assert_eq!(r.va_chunk, 4 << 30);
         // A fraction is capped at the free memory.
         let half_free = MemInfo {
@@ -906,7 +909,7 @@ mod tests {
             .with_medium(64 * MIB, 32 * MIB)
             .resolve(G, DEV)
             .unwrap();
-        assert_eq!((r.medium_threshold, r.medium_page), (10 * MIB, 20 * MIB));
+        assert_eq!((r.medium_threshold, r.medium_page), (4 * MIB, 8 * MIB));
         let r = Config::default()
             .with_medium(0, 0)
             .with_handle_sizes(0, 8 * MIB)
@@ -919,7 +922,7 @@ mod tests {
         };
         assert!(c.resolve(G, DEV).is_err(), "above 1 PiB");
         c.medium_page = MAX_BYTES;
-        assert_eq!(c.resolve(G, DEV).unwrap().medium_page, 20 * MIB);
+        assert_eq!(c.resolve(G, DEV).unwrap().medium_page, 8 * MIB);
         c.va_chunk = Some(3 * MIB);
         assert_eq!(c.resolve(G, DEV).unwrap().va_chunk, 4 * MIB);
     }

@@ -1238,7 +1238,7 @@ mod tests {
             .render_help()
             .to_string();
         assert!(
-            help.contains("Config::max_handle; default 20 MiB"),
+            help.contains("Config::max_handle; default 8 MiB"),
             "{help}"
         );
         assert!(help.contains("Config::reserve_slack; default 0"), "{help}");

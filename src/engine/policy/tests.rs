@@ -138,13 +138,15 @@ fn within_budget_a_large_request_creates_first_and_stitches_if_the_driver_refuse
 
 #[test]
 fn handles_are_sized_to_the_request() {
+    // The default before 2026-12-02 (kept as a setting: README's configuration section).
     let cfg = Config {
+        max_handle: 20 * M,
+        handle_divisor: 32,
         split_min: 4 * M,
         ..Config::default()
     };
     let d = SimDriver::with_capacity(64 * M);
     let r = cfg.resolve(d.granularity(), d.mem_info().unwrap()).unwrap();
-    assert_eq!(cfg.handle_divisor, 32);
     // About request / 32, a power of two times 2 MiB, within [4 MiB, max_handle (20 MiB)].
     assert_eq!(super::handle_size(&r, 8 * M), 4 * M);
     assert_eq!(super::handle_size(&r, 256 * M), 8 * M);
@@ -164,8 +166,28 @@ fn handles_are_sized_to_the_request() {
 }
 
 #[test]
+fn default_handles_are_request_over_64_from_one_granule_to_8_mib() {
+    let cfg = Config::default();
+    assert_eq!(
+        (cfg.max_handle, cfg.handle_divisor, cfg.split_min),
+        (8 * M, 64, 2 * M)
+    );
+    let d = SimDriver::with_capacity(64 * M);
+    let r = cfg.resolve(d.granularity(), d.mem_info().unwrap()).unwrap();
+    assert_eq!(super::handle_size(&r, 8 * M), 2 * M);
+    assert_eq!(super::handle_size(&r, 128 * M), 2 * M);
+    assert_eq!(super::handle_size(&r, 256 * M), 4 * M);
+    assert_eq!(super::handle_size(&r, 512 * M), 8 * M);
+    assert_eq!(super::handle_size(&r, 64 << 30), 8 * M);
+}
+
+#[test]
 fn past_the_budget_a_page_replaces_a_clean_free_handle_instead_of_growing() {
-    let (d, mut e) = engine(Config::default());
+    // One 8 MiB handle (a free handle of one page is retagged instead: no driver call).
+    let (d, mut e) = engine(Config {
+        split_min: 8 * M,
+        ..Config::default()
+    });
     let s = Stream::DEFAULT;
     let p = e.alloc(&d, 8 * M, s).unwrap();
     e.free(&d, p, s).unwrap();
