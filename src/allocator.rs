@@ -108,7 +108,18 @@ impl<D: Driver> Allocator<D> {
     /// ```
     pub fn new(driver: D, config: Config) -> Result<Self> {
         let info = driver.mem_info()?;
-        let resolved = config.resolve(driver.granularity(), info)?;
+        let mut resolved = config.resolve(driver.granularity(), info)?;
+        if let Some(limit) = driver.handle_limit() {
+            if let Some(floor) = resolved.fit_handle_limit(limit) {
+                tracing::info!(
+                    driver = driver.name(),
+                    limit,
+                    split_min = floor,
+                    "the backend holds at most `limit` handles: growth creates handles of at \
+                     least `split_min` bytes so that the capacity fits"
+                );
+            }
+        }
         let mut engine = Engine::new(&driver, resolved)?;
         engine.stats.calls.add(crate::driver::DriverOp::MemInfo);
         tracing::info!(

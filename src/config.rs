@@ -510,6 +510,31 @@ pub(crate) struct Resolved {
     pub paranoid: bool,
 }
 
+impl Resolved {
+    /// Fit the handles to a backend that can hold at most `limit` handles at once
+    /// ([`crate::driver::Driver::handle_limit`]): when the whole capacity in handles of
+    /// `split_min` would need more than `limit`, `split_min` and `min_handle` rise to the
+    /// smallest power-of-two number of granules that fills the capacity within the limit,
+    /// never above `max_handle` (an explicit small `max_handle` is kept, and the limit may
+    /// then be hit: the backend's error says so). Returns the new `split_min` when it rose.
+    pub(crate) fn fit_handle_limit(&mut self, limit: u64) -> Option<u64> {
+        let g = self.granularity;
+        let granules = self.capacity / g;
+        let per = granules.div_ceil(limit.max(1)).max(1);
+        let floor = per
+            .checked_next_power_of_two()
+            .and_then(|p| p.checked_mul(g))
+            .unwrap_or(self.max_handle)
+            .min(self.max_handle);
+        if floor <= self.split_min {
+            return None;
+        }
+        self.split_min = floor;
+        self.min_handle = self.min_handle.max(floor);
+        Some(floor)
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // Byte counts.
 
@@ -925,6 +950,35 @@ mod tests {
         assert_eq!(c.resolve(G, DEV).unwrap().medium_page, 8 * MIB);
         c.va_chunk = Some(3 * MIB);
         assert_eq!(c.resolve(G, DEV).unwrap().va_chunk, 4 * MIB);
+    }
+
+    #[test]
+    fn handles_grow_to_fit_a_backend_handle_limit() {
+        let dev = MemInfo {
+            free: 140 << 30,
+            total: 140 << 30,
+        };
+        let r = Config::default().resolve(G, dev).unwrap();
+        // 71,680 granules; 15,000 handles at most: 5 granules each, rounded up to 8 (16 MiB),
+        // capped at max_handle (8 MiB).
+        let mut a = r.clone();
+        assert_eq!(a.fit_handle_limit(15_000), Some(8 * MIB));
+        assert_eq!(
+            (a.split_min, a.min_handle, a.max_handle),
+            (8 * MIB, 8 * MIB, 8 * MIB)
+        );
+        let mut b = Config::default()
+            .with_handle_sizes(0, 64 * MIB)
+            .resolve(G, dev)
+            .unwrap();
+        assert_eq!(b.fit_handle_limit(15_000), Some(16 * MIB));
+        // Enough handles for the capacity at the granule: nothing changes.
+        let mut c = r.clone();
+        assert_eq!(c.fit_handle_limit(80_000), None);
+        assert_eq!((c.split_min, c.min_handle), (G, G));
+        // A limit of zero or one asks for the largest handles allowed.
+        let mut d = r.clone();
+        assert_eq!(d.fit_handle_limit(0), Some(8 * MIB));
     }
 
     #[test]

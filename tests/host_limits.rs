@@ -105,3 +105,38 @@ fn hitting_the_open_file_limit_is_a_clear_error() {
     // SAFETY: restoring the limit read above.
     unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) };
 }
+
+/// The host backend reports three quarters of the open-file limit as its handle limit, and
+/// an allocator created under it sizes its handles so that the whole capacity fits: filling
+/// it hits no file limit (before, handles of request / 64 ran out of files at 591 MiB of the
+/// 1 GiB).
+#[test]
+fn an_allocator_fills_its_capacity_under_a_low_open_file_limit() {
+    let g = 64 << 10;
+    with_open_file_limit(400, || {
+        let d = HostDriver::with_config(g, 1 << 30).unwrap();
+        assert_eq!(d.handle_limit(), Some(300));
+        let cfg = Config::default()
+            .with_capacity(Capacity::Bytes(1 << 30))
+            .with_small_threshold(512)
+            .with_paranoid(true);
+        let a = Allocator::new(d, cfg).unwrap();
+        let mut ptrs = Vec::new();
+        let mut live = 0u64;
+        // 3 MiB requests until the capacity is full (the last one may not fit).
+        while live + (3 << 20) <= 1 << 30 {
+            match a.alloc(3 << 20, Stream::DEFAULT) {
+                Ok(p) => {
+                    ptrs.push(p);
+                    live += 3 << 20;
+                }
+                Err(e) => panic!("after {live} bytes of 1 GiB: {e}"),
+            }
+        }
+        assert!(a.stats().reserved.current <= 1 << 30);
+        for p in ptrs {
+            a.free(p, Stream::DEFAULT).unwrap();
+        }
+        a.validate().unwrap();
+    });
+}

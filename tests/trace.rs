@@ -896,6 +896,27 @@ fn cli_demo_runs() {
     assert!(text.contains("What you are looking at"));
 }
 
+/// The demo's checkerboard fills a device-sized host backend (139.8 GiB, one open file per
+/// handle) without a failed allocation, and its table says how many failed. Before the host
+/// backend reported its handle limit, the fill ran out of open files (147 failed
+/// allocations with handles of request / 32, 378 with request / 64) and the largest
+/// tensor was measured over a different, emptier checkerboard.
+#[test]
+fn cli_demo_checkerboard_fills_the_host_backend() {
+    let d = json(&["demo", "--backend", "host", "--json"]);
+    for side in ["stitching_on", "stitching_off"] {
+        let r = &d["checkerboard"][side];
+        assert_eq!(r["failed_allocs"], 0, "{side}: {}", r["first_error"]);
+        assert!(
+            r["probes"][0]["fraction_of_free"].as_f64().unwrap() >= 0.998,
+            "{side}"
+        );
+    }
+    let out = stitch(&["demo", "--backend", "host"]);
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("checkerboard: failed allocations"), "{text}");
+}
+
 #[test]
 fn cli_cost_model_override() {
     let f = data("llm-small.trace.gz");

@@ -390,6 +390,8 @@ fn make_driver(a: &AllocArgs) -> Result<(Arc<dyn Driver>, String), String> {
         Backend::Cuda | Backend::Auto => cuda_driver(a.backend),
         Backend::Sim => Ok(sim_driver(a.capacity)),
         Backend::Host => {
+            // One open file per handle: a device-sized host backend wants the hard limit.
+            HostDriver::raise_open_file_limit();
             let h = HostDriver::with_capacity(a.capacity.unwrap_or(H200_CAPACITY))
                 .map_err(|e| format!("cannot create the host backend: {e}"))?;
             h.set_panic_on_leak(false);
@@ -1112,6 +1114,12 @@ fn cmd_demo(a: &DemoArgs) -> Result<(), String> {
     }
     out!(
         "{:<44} {:>16} {:>16}",
+        "checkerboard: failed allocations",
+        c_on.failed_allocs,
+        c_off.failed_allocs
+    );
+    out!(
+        "{:<44} {:>16} {:>16}",
         "checkerboard: largest allocation that fits",
         gib(p_on.largest_bytes),
         gib(p_off.largest_bytes)
@@ -1237,10 +1245,7 @@ mod tests {
             .unwrap()
             .render_help()
             .to_string();
-        assert!(
-            help.contains("Config::max_handle; default 8 MiB"),
-            "{help}"
-        );
+        assert!(help.contains("Config::max_handle; default 8 MiB"), "{help}");
         assert!(help.contains("Config::reserve_slack; default 0"), "{help}");
         assert!(
             help.contains("Config::reserve_slack_min; default 0)"),

@@ -331,6 +331,9 @@ impl<F: Forward> Driver for F {
     fn exchange_capture_mode(&self, mode: super::CaptureMode) -> DriverResult<super::CaptureMode> {
         self.inner().exchange_capture_mode(mode)
     }
+    fn handle_limit(&self) -> Option<u64> {
+        self.inner().handle_limit()
+    }
     fn has_data(&self) -> bool {
         self.inner().has_data()
     }

@@ -17,7 +17,11 @@
 //! limits (`ulimit -n`, `vm.max_map_count`) bound how many exist at once. Hitting one gives
 //! a [`DriverError`] that names the limit: out of file descriptors has code
 //! [`code::OUT_OF_MEMORY`] (no more handles can be created, as on a full GPU, so the
-//! allocator stitches the free handles it has), out of mappings [`code::OS_LIMIT`].
+//! allocator stitches the free handles it has), out of mappings [`code::OS_LIMIT`]. The
+//! driver reports three quarters of the open-file limit as its [`Driver::handle_limit`], and
+//! an allocator whose capacity would need more handles than that creates larger ones
+//! (`Allocator::new`), so that a device-sized host backend (the demo's 139.8 GiB) is not
+//! cut short by the file limit.
 //!
 //! Dropping the driver while it still holds resources gives them back to the OS and logs the
 //! leak (it panics only when [`HostDriver::set_panic_on_leak`] asked for it).
@@ -134,6 +138,40 @@ unsafe fn placeholder(addr: DevAddr, size: u64) -> *mut libc::c_void {
 }
 
 impl HostDriver {
+    /// Raise this process's soft open-file limit to its hard limit, so that more handles fit
+    /// (one memfd each; see [`Driver::handle_limit`]), and return the soft limit now in force
+    /// (`None` if it cannot be read). A program that runs a device-sized host backend calls
+    /// it once at start, as the `stitch` command does; the library never calls it itself
+    /// (the limits are the embedding process's to set).
+    ///
+    /// ```
+    /// use stitch_alloc::driver::HostDriver;
+    /// let soft = HostDriver::raise_open_file_limit().unwrap();
+    /// assert!(soft >= 3);
+    /// ```
+    pub fn raise_open_file_limit() -> Option<u64> {
+        let mut lim = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit only writes into the struct we pass.
+        if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+            return None;
+        }
+        if lim.rlim_cur < lim.rlim_max {
+            let up = libc::rlimit {
+                rlim_cur: lim.rlim_max,
+                rlim_max: lim.rlim_max,
+            };
+            // SAFETY: raising the soft limit to the hard one changes only this process's
+            // limit, and only upwards; on failure the old limit stays.
+            if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &up) } == 0 {
+                return Some(up.rlim_cur);
+            }
+        }
+        Some(lim.rlim_cur)
+    }
+
     /// A host device of 16 GiB with the GPU's 2 MiB granularity.
     pub fn new() -> DriverResult<Self> {
         Self::with_capacity(HOST_DEFAULT_CAPACITY)
@@ -325,6 +363,22 @@ impl Driver for HostDriver {
         let id = s.next_id;
         s.fds.insert(id, fd);
         Ok(s.ledger.commit_create_as(id, size))
+    }
+
+    /// Three quarters of the soft open-file limit (one memfd per handle; the rest of the
+    /// process keeps a quarter), `None` when it is unlimited or cannot be read.
+    fn handle_limit(&self) -> Option<u64> {
+        let mut lim = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit only writes into the struct we pass.
+        if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0
+            || lim.rlim_cur == libc::RLIM_INFINITY
+        {
+            return None;
+        }
+        Some(lim.rlim_cur / 4 * 3)
     }
 
     fn release(&self, handle: PhysHandle) -> DriverResult<()> {

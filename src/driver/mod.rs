@@ -458,6 +458,14 @@ pub trait Driver: Send + Sync {
     fn exchange_capture_mode(&self, mode: CaptureMode) -> DriverResult<CaptureMode> {
         Ok(mode)
     }
+    /// The most physical handles this backend can hold at once, where it has such a limit
+    /// below what the device's memory needs (the host backend: one open file per handle,
+    /// so three quarters of the process's soft `RLIMIT_NOFILE`). `None` (the default, and
+    /// the GPU's): no limit that the allocator must size its handles for. The allocator
+    /// reads it once, when it is created (see `Allocator::new`).
+    fn handle_limit(&self) -> Option<u64> {
+        None
+    }
     /// Export `handle` as a POSIX file descriptor that another process can import
     /// (`cuMemExportToShareableHandle`); the descriptor is the caller's to keep or close, and
     /// the handle stays this driver's. Backends that cannot share (the simulator; a GPU whose
