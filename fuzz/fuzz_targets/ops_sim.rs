@@ -22,9 +22,10 @@ fuzz_target!(|data: &[u8]| {
                 )
                 .with_medium(if b & 16 == 0 { 0 } else { 8 * MIB }, 32 * MIB);
             if b & 32 != 0 {
-                // Finer handles, down to one granule (README's setting for training runs).
-                cfg.split_min = 2 * MIB;
-                cfg.handle_divisor = 64;
+                // Coarser handles, request / 32 down to 4 MiB (the default before
+                // 2026-12-02, README's setting for fewer driver calls).
+                cfg.split_min = 4 * MIB;
+                cfg.handle_divisor = 32;
             }
             (cfg, rest)
         }
