@@ -1,7 +1,9 @@
 //! Where the excess of peak reserved over peak live sits at the peak: replay a trace (with a
 //! simulated GPU lag) and classify every free byte of the large pool that lies in a handle
 //! holding live bytes, by where its free block sits in its run.
-//! `cargo run --release --example breakdown -- TRACE [GPU_LAG]`
+//! `cargo run --release --example breakdown -- TRACE [GPU_LAG] [runs]`; with `runs`, each
+//! large run at the peak too: the VA gap before it and its blocks in order, `l` live, `p`
+//! pending, `f` free, `d` dirty (freed by a stream, not yet fenced), in MiB.
 use stitch_alloc::driver::SimDriver;
 use stitch_alloc::replay::{replay, ReplayOptions};
 use stitch_alloc::trace::{read_path, ReadOptions};
@@ -11,6 +13,7 @@ fn main() {
     let mut args = std::env::args().skip(1);
     let path = args.next().expect("TRACE");
     let lag: usize = args.next().map_or(1000, |v| v.parse().unwrap());
+    let list_runs = args.next().as_deref() == Some("runs");
     let t = read_path(&path, ReadOptions::default()).expect("trace");
     let a = Allocator::new(SimDriver::new(), Config::default()).unwrap();
     let opts = ReplayOptions {
@@ -91,4 +94,26 @@ fn main() {
         .filter(|&g| g > 0 && g < (1 << 30))
         .collect();
     println!("  runs touching the next: {touching} (a free side at the join: {both_free}); small VA gaps (<1 GiB) between runs: {} totalling {:.0} MiB", gaps.len(), m(gaps.iter().sum()));
+    if list_runs {
+        let mut large: Vec<&Vec<stitch_alloc::BlockView>> =
+            l.runs.iter().filter(|r| r[0].pool == Pool::Large).collect();
+        large.sort_by_key(|r| r[0].addr);
+        let mut prev_end = None;
+        for run in large {
+            let z = run.last().unwrap();
+            let gap = prev_end.map_or(String::from("-"), |e: u64| {
+                format!("{:.0}", m(run[0].addr.saturating_sub(e)))
+            });
+            let blocks: Vec<String> = run
+                .iter()
+                .map(|b| format!("{}{:.2}", &b.state[..1], m(b.size)))
+                .collect();
+            println!(
+                "  run at {:#x}, gap before {gap} MiB: {}",
+                run[0].addr,
+                blocks.join(" ")
+            );
+            prev_end = Some(z.addr + z.size);
+        }
+    }
 }
