@@ -917,6 +917,25 @@ fn cli_demo_checkerboard_fills_the_host_backend() {
     assert!(text.contains("checkerboard: failed allocations"), "{text}");
 }
 
+/// `--prealloc` replays with `Config::prealloc`: the pool is created before the first event,
+/// so fewer of the trace's allocations call the driver, and the peak holds the pool.
+#[test]
+fn cli_prealloc_creates_the_pool_before_the_trace() {
+    let f = data("llm-small.trace.gz");
+    let f = f.to_str().unwrap();
+    let plain = json(&["replay", f, "--json"]);
+    let pre = json(&["replay", f, "--json", "--prealloc", "2GiB"]);
+    assert_eq!(pre["failed_allocs"], 0);
+    assert!(pre["peak_reserved_bytes"].as_u64().unwrap() >= 2 << 30);
+    let slow = |v: &serde_json::Value| v["slow_allocs"].as_u64().unwrap();
+    assert!(
+        slow(&pre) * 4 < slow(&plain),
+        "{} allocations called the driver with the pool, {} without",
+        slow(&pre),
+        slow(&plain)
+    );
+}
+
 #[test]
 fn cli_cost_model_override() {
     let f = data("llm-small.trace.gz");

@@ -169,6 +169,10 @@ struct AllocArgs {
         "Floor under the growth slack, in bytes",
         "reserve_slack_min", size_text(Config::default().reserve_slack_min)))]
     reserve_slack_min: Option<u64>,
+    #[arg(long, value_parser = parse_size, help = config_help(
+        "Bytes created and mapped at the first allocation as one free pool",
+        "prealloc", size_text(Config::default().prealloc)))]
+    prealloc: Option<u64>,
     /// Check every allocator invariant after each operation (Config::paranoid; slow).
     #[arg(long)]
     paranoid: bool,
@@ -203,6 +207,9 @@ impl AllocArgs {
         }
         if let Some(v) = self.reserve_slack_min {
             c.reserve_slack_min = v;
+        }
+        if let Some(v) = self.prealloc {
+            c.prealloc = v;
         }
         if let (Some(b), true) = (self.capacity, on_cuda) {
             c.capacity = Capacity::Bytes(b);
@@ -995,6 +1002,7 @@ fn demo_run(t: &Trace, stitching: bool, backend: Backend) -> Result<ReplayReport
         no_contiguous: false,
         reserve_slack: None,
         reserve_slack_min: None,
+        prealloc: None,
         paranoid: false,
     })?;
     let map = stream_map(&b, t)?;
