@@ -137,6 +137,16 @@ unsafe fn placeholder(addr: DevAddr, size: u64) -> *mut libc::c_void {
     }
 }
 
+/// This process's open-file limits (`RLIMIT_NOFILE`), `None` if they cannot be read.
+fn open_file_limit() -> Option<libc::rlimit> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit only writes into the struct we pass.
+    (unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0).then_some(lim)
+}
+
 impl HostDriver {
     /// Raise this process's soft open-file limit to its hard limit, so that more handles fit
     /// (one memfd each; see [`Driver::handle_limit`]), and return the soft limit now in force
@@ -150,14 +160,7 @@ impl HostDriver {
     /// assert!(soft >= 3);
     /// ```
     pub fn raise_open_file_limit() -> Option<u64> {
-        let mut lim = libc::rlimit {
-            rlim_cur: 0,
-            rlim_max: 0,
-        };
-        // SAFETY: getrlimit only writes into the struct we pass.
-        if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
-            return None;
-        }
+        let lim = open_file_limit()?;
         if lim.rlim_cur < lim.rlim_max {
             let up = libc::rlimit {
                 rlim_cur: lim.rlim_max,
@@ -368,17 +371,8 @@ impl Driver for HostDriver {
     /// Three quarters of the soft open-file limit (one memfd per handle; the rest of the
     /// process keeps a quarter), `None` when it is unlimited or cannot be read.
     fn handle_limit(&self) -> Option<u64> {
-        let mut lim = libc::rlimit {
-            rlim_cur: 0,
-            rlim_max: 0,
-        };
-        // SAFETY: getrlimit only writes into the struct we pass.
-        if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0
-            || lim.rlim_cur == libc::RLIM_INFINITY
-        {
-            return None;
-        }
-        Some(lim.rlim_cur / 4 * 3)
+        let lim = open_file_limit()?;
+        (lim.rlim_cur != libc::RLIM_INFINITY).then(|| lim.rlim_cur / 4 * 3)
     }
 
     fn release(&self, handle: PhysHandle) -> DriverResult<()> {
