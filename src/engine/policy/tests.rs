@@ -59,10 +59,20 @@ fn shortfall_is_zero_when_covered_and_at_least_the_floor() {
     assert_eq!(shortfall(8 * M, 4 * M, 2 * M), 4 * M);
 }
 
+/// The tests' device: a simulated 64 MiB GPU.
+fn device() -> SimDriver {
+    SimDriver::with_capacity(64 * M)
+}
+
+/// `cfg` resolved for [`device`].
+fn resolved(cfg: &Config) -> Resolved {
+    let d = device();
+    cfg.resolve(d.granularity(), d.mem_info().unwrap()).unwrap()
+}
+
 fn engine(cfg: Config) -> (SimDriver, Engine) {
-    let d = SimDriver::with_capacity(64 * M);
-    let r = cfg.resolve(d.granularity(), d.mem_info().unwrap()).unwrap();
-    let e = Engine::new(&d, r).unwrap();
+    let d = device();
+    let e = Engine::new(&d, resolved(&cfg)).unwrap();
     (d, e)
 }
 
@@ -145,8 +155,7 @@ fn handles_are_sized_to_the_request() {
         split_min: 4 * M,
         ..Config::default()
     };
-    let d = SimDriver::with_capacity(64 * M);
-    let r = cfg.resolve(d.granularity(), d.mem_info().unwrap()).unwrap();
+    let r = resolved(&cfg);
     // About request / 32, a power of two times 2 MiB, within [4 MiB, max_handle (20 MiB)].
     assert_eq!(super::handle_size(&r, 8 * M), 4 * M);
     assert_eq!(super::handle_size(&r, 256 * M), 8 * M);
@@ -160,7 +169,7 @@ fn handles_are_sized_to_the_request() {
     assert_eq!(super::recreate_handle_size(&r, 64 << 30), 128 * M);
     let mut one = cfg.clone();
     one.handle_divisor = 1;
-    let r1 = one.resolve(d.granularity(), d.mem_info().unwrap()).unwrap();
+    let r1 = resolved(&one);
     assert_eq!(super::handle_size(&r1, 8 * M), 20 * M);
     assert_eq!(super::recreate_handle_size(&r1, 8 * M), 128 * M);
 }
@@ -172,8 +181,7 @@ fn default_handles_are_request_over_64_from_one_granule_to_8_mib() {
         (cfg.max_handle, cfg.handle_divisor, cfg.split_min),
         (8 * M, 64, 2 * M)
     );
-    let d = SimDriver::with_capacity(64 * M);
-    let r = cfg.resolve(d.granularity(), d.mem_info().unwrap()).unwrap();
+    let r = resolved(&cfg);
     assert_eq!(super::handle_size(&r, 8 * M), 2 * M);
     assert_eq!(super::handle_size(&r, 128 * M), 2 * M);
     assert_eq!(super::handle_size(&r, 256 * M), 4 * M);
