@@ -5,7 +5,9 @@
 // priced at 0.9 s by that term alone (design/zoo.md, "Pre-allocation in replays"). This
 // maps N adjacent 2 MiB handles (N = 64, 512, 2048, 8192) and times SetAccess over them as
 // one call, as calls of 64 handles, and as one call per handle, and the unmap of each
-// handle, printing microseconds per handle. Build and run on the GPU machine
+// handle, printing microseconds per handle; then, with all N mapped and accessible (a live
+// pool), the median of 32 single-handle remaps (unmap, map, SetAccess of one handle), the
+// case a stitch into a large pool pays. Build and run on the GPU machine
 // (scripts/vmm-common.h beside it):
 //   g++ -O2 -std=c++17 scripts/vmm-setaccess.cpp -I/usr/local/cuda/include -lcuda -o vmm-setaccess
 //   ./vmm-setaccess
@@ -34,8 +36,8 @@ static double access_in_chunks(CUdeviceptr base, size_t n, size_t chunk) {
 
 int main() {
     init_device();
-    std::printf("%6s %14s %16s %16s %14s  (us per handle)\n", "N", "one call", "calls of 64",
-                "call per handle", "unmap");
+    std::printf("%6s %14s %16s %16s %14s %14s  (us per handle)\n", "N", "one call", "calls of 64",
+                "call per handle", "unmap", "remap in pool");
     for (size_t n : {64, 512, 2048, 8192}) {
         CUdeviceptr base;
         CK(cuMemAddressReserve(&base, n * G, G, 0, 0));
@@ -48,7 +50,21 @@ int main() {
             per[k] = access_in_chunks(base, n, chunks[k]) / n;
             unmap += unmap_all(base, n) / n / 3;
         }
-        std::printf("%6zu %14.1f %16.1f %16.1f %14.1f\n", n, per[0], per[1], per[2], unmap);
+        // A live pool: every handle mapped and accessible; remap single handles inside it.
+        map_all(base, hs);
+        access_in_chunks(base, n, 64);
+        std::vector<double> remap;
+        for (size_t k = 0; k < 32; k++) {
+            size_t i = (k * 7919) % n;
+            double t0 = now_us();
+            CK(cuMemUnmap(base + i * G, G));
+            CK(cuMemMap(base + i * G, G, 0, hs[i], 0));
+            access(base + i * G, G);
+            remap.push_back(now_us() - t0);
+        }
+        unmap_all(base, n);
+        std::printf("%6zu %14.1f %16.1f %16.1f %14.1f %14.1f\n", n, per[0], per[1], per[2], unmap,
+                    median(remap));
         for (auto h : hs) CK(cuMemRelease(h));
         CK(cuMemAddressFree(base, n * G));
     }
