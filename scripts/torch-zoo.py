@@ -413,6 +413,8 @@ def child(a):
     res["kind"] = kind
     res["seconds"] = time.perf_counter() - t0
     res["memory"] = memory_figures(torch, c["stitch"])
+    if a.fixed_shapes:
+        res["probe"] = pace_probe(torch)
     if recording:
         import gzip
         import pickle
@@ -546,6 +548,91 @@ def slowest(results, jobs=1):
     return "\n".join(lines + rows) if rows else ""
 
 
+def pace_probe(torch):
+    """How fast this process's CPU and GPU run, measured the same way under every allocator
+    (nothing here allocates after its first lines): the best of three timings of a fixed
+    pure-Python loop (`cpu_ms`), of 2,000 in-place kernel launches with one synchronise
+    (`launch_ms`, what a launch-bound step is made of), and of 20 4096^2 bf16 matmuls timed
+    with CUDA events (`gpu_ms`), plus the SM clock right after (`sm_mhz`). The throughput
+    table uses them to tell the process's pace from its allocator's."""
+    x = torch.ones(1024, device="cuda")
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    b = torch.empty_like(a)
+    torch.cuda.synchronize()
+
+    def cpu():
+        t = time.perf_counter()
+        acc = 0
+        for i in range(300_000):
+            acc += i * i
+        return (time.perf_counter() - t) * 1e3
+
+    def launch():
+        t = time.perf_counter()
+        for _ in range(2000):
+            x.add_(1.0)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t) * 1e3
+
+    def gpu():
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(20):
+            torch.matmul(a, a, out=b)
+        e1.record()
+        e1.synchronize()
+        return e0.elapsed_time(e1)
+
+    out = {k: round(min(f() for _ in range(3)), 3)
+           for k, f in (("cpu_ms", cpu), ("launch_ms", launch), ("gpu_ms", gpu))}
+    try:
+        out["sm_mhz"] = int(subprocess.run(
+            ["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=10).stdout.split()[0])
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        pass
+    del x, a, b
+    return out
+
+
+def paced(results):
+    """Each fixed-shape run's median step over its own launch probe (steps of launch-bound
+    work divided by what 2,000 launches cost that process), the speed vs default of those
+    ratios' medians with a 95% bootstrap interval, and how much of the spread of step times
+    across runs the probe accounts for (Pearson r over every run of a workload)."""
+    from statistics import median
+
+    runs, pairs = {}, {}
+    for r in results:
+        st, pr = r.get("step_seconds") or [], r.get("probe") or {}
+        if r.get("ok") and len(st) > 3 and pr.get("launch_ms"):
+            step = median(st[2:])
+            runs.setdefault((r["workload"], r["config"]), []).append(step * 1e3 / pr["launch_ms"])
+            pairs.setdefault(r["workload"], []).append((step, pr["launch_ms"]))
+    if not runs:
+        return ""
+    lines = ["Step time per launch probe (one process's median step / its 2,000-launch probe):",
+             "", "| workload | allocator | runs | median step / probe | range | speed vs default "
+             "| 95% interval | r(step, probe) |", "|---|---|---|---|---|---|---|---|"]
+    for (w, c), v in sorted(runs.items()):
+        ref = runs.get((w, "default"))
+        rel = f"{median(ref) / median(v):.3f}" if ref else ""
+        lo, hi = speed_interval(ref, v) if ref and c != "default" else (None, None)
+        ci = f"{lo:.3f}-{hi:.3f}" if lo is not None else ""
+        xs = pairs[w]
+        r = ""
+        if len(xs) > 2:
+            mx = sum(p[0] for p in xs) / len(xs)
+            my = sum(p[1] for p in xs) / len(xs)
+            sxy = sum((p[0] - mx) * (p[1] - my) for p in xs)
+            sxx = sum((p[0] - mx) ** 2 for p in xs)
+            syy = sum((p[1] - my) ** 2 for p in xs)
+            r = f"{sxy / (sxx * syy) ** 0.5:.2f}" if sxx > 0 and syy > 0 else ""
+        lines.append(f"| {w} | {c} | {len(v)} | {median(v):.4f} | {min(v):.4f}-{max(v):.4f} | "
+                     f"{rel} | {ci} | {r} |")
+    return "\n".join(lines)
+
+
 def throughput(results):
     """Median step time of each run (steps after the first two), then the median and range
     over the runs of each (workload, allocator), and the ratio of medians to default's."""
@@ -657,7 +744,8 @@ def main(argv=None):
              "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
     except OSError:
         pass
-    text = (table(results) + "\n\n" + throughput(results) + "\n\n" + slowest(results, a.jobs)
+    text = (table(results) + "\n\n" + throughput(results) + "\n\n" + paced(results)
+            + "\n\n" + slowest(results, a.jobs)
             + "\n\n" + steady(results))
     write_results(a, meta, results)
     with open(os.path.join(a.out, "zoo.md"), "w") as f:
