@@ -93,13 +93,22 @@ def driver_us():
     return int(sys.modules["stitch_alloc"].stats(0).get("driver_time_us", 0))
 
 
+def api_us():
+    """The time of the process's `stitch_malloc` / `stitch_free` calls so far (microseconds,
+    the C ABI's estimate from one call in 64) under stitch-alloc, else None; read with
+    `driver_us` at the end of each timed step (`step_api_us`)."""
+    if "stitch_alloc" not in sys.modules:
+        return None
+    return int(sys.modules["stitch_alloc"].stats(0).get("malloc_free_time_us", 0))
+
+
 def _train_llm(torch, rng, steps, layers, hidden, max_batch, max_seq, ckpt=False):
     model = _llama(torch, layers, hidden, torch.float32).train()
     model.config.use_cache = False
     if ckpt:
         model.gradient_checkpointing_enable()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    losses, step_seconds, step_driver = [], [], []
+    losses, step_seconds, step_driver, step_api = [], [], [], []
     for _ in range(steps):
         t0 = time.perf_counter()
         b, s = rng.randint(1, max_batch), rng.randint(64, max_seq)
@@ -112,9 +121,10 @@ def _train_llm(torch, rng, steps, layers, hidden, max_batch, max_seq, ckpt=False
         losses.append(round(out.loss.detach().float().item(), 4))  # synchronises
         step_seconds.append(time.perf_counter() - t0)
         step_driver.append(driver_us())
+        step_api.append(api_us())
         del out, ids
     return {"steps": steps, "losses": losses, "step_seconds": step_seconds,
-            "step_driver_us": step_driver, "_keep": (model, opt)}
+            "step_driver_us": step_driver, "step_api_us": step_api, "_keep": (model, opt)}
 
 
 def w_llm_train_s(torch, rng, quick):
@@ -174,7 +184,7 @@ def w_bert_encode(torch, rng, quick):
                      num_attention_heads=12, intermediate_size=3072, max_position_embeddings=512)
     with torch.device("cuda"):
         model = BertModel(cfg).half().eval()
-    n, step_seconds, step_driver = 0, [], []
+    n, step_seconds, step_driver, step_api = 0, [], [], []
     with torch.inference_mode():
         for _ in range(8 if quick else 40):
             t0 = time.perf_counter()
@@ -186,9 +196,10 @@ def w_bert_encode(torch, rng, quick):
             torch.cuda.synchronize()
             step_seconds.append(time.perf_counter() - t0)
             step_driver.append(driver_us())
+            step_api.append(api_us())
             del out, ids, emb
     return {"sentences": n, "step_seconds": step_seconds, "step_driver_us": step_driver,
-            "_keep": model}
+            "step_api_us": step_api, "_keep": model}
 
 
 def _train_timm(torch, rng, name, steps, lo, hi):
@@ -509,15 +520,21 @@ def steady(results):
     share of those steps' wall time (issue #11: driver time <= 1% of the wall time; design/
     zoo.md, "Where the driver time falls")."""
     lines = ["| workload | steps | driver ms to the end of step 2 | driver ms, later steps | "
-             "share of the later steps' time |", "|---|---|---|---|---|"]
+             "share of the later steps' time | malloc + free ms, later steps (share) |",
+             "|---|---|---|---|---|---|"]
     rows = []
     for r in results:
         st, dr = r.get("step_seconds") or [], r.get("step_driver_us") or []
         if not r.get("ok") or len(st) < 4 or len(dr) != len(st) or None in dr:
             continue
         early, late = dr[1], dr[-1] - dr[1]
+        ap = r.get("step_api_us") or []
+        api = ""
+        if len(ap) == len(st) and None not in ap:
+            a_late = ap[-1] - ap[1]
+            api = f"{a_late / 1e3:.1f} ({100 * a_late / 1e6 / sum(st[2:]):.2f}%)"
         rows.append(f"| {r['workload']} | {len(st)} | {early / 1e3:.1f} | {late / 1e3:.1f} | "
-                    f"{100 * late / 1e6 / sum(st[2:]):.2f}% |")
+                    f"{100 * late / 1e6 / sum(st[2:]):.2f}% | {api} |")
     return "\n".join(lines + rows) if rows else ""
 
 

@@ -348,7 +348,12 @@ mod tests {
         let c = CostModel::h200();
         let per = |n: u64| c.price_set_access(vec![2 * MIB; n as usize], n * 2 * MIB) / n as f64;
         assert!(per(512) < per(8192) + 1e-9);
-        assert!((per(8192) - per(512)).abs() < 1e-9, "{} vs {}", per(8192), per(512));
+        assert!(
+            (per(8192) - per(512)).abs() < 1e-9,
+            "{} vs {}",
+            per(8192),
+            per(512)
+        );
         assert!(per(8192) < 2.0 * 36.4, "{}", per(8192));
         assert!(per(64) < per(512), "the fitted growth up to 512 stays");
     }

@@ -663,7 +663,9 @@ def memory_stats(device=None):
     ``num_alloc_retries``, ``num_device_alloc``, ``num_device_free``), plus the allocator's
     own: ``stitches``, ``stitched_handles``, ``recreated_handles``, ``extensions``, ``stranded_bytes``,
     ``driver_calls``, ``vmm_calls``, ``driver_time_us`` (wall time inside the driver),
-    ``capacity``, ``largest_free_span``, ``free_bytes``,
+    ``malloc_free_calls`` and ``malloc_free_time_us`` (the process's ``stitch_malloc`` /
+    ``stitch_free`` calls and their time from entry to return, estimated from one call in
+    64), ``capacity``, ``largest_free_span``, ``free_bytes``,
     ``free_handle_bytes``, ``handles``, ``fast_allocs``, ``slow_allocs``, ``event_waits``,
     ``events_held`` (CUDA events held now; 0 once idle after ``empty_cache``),
     ``pending_free_bytes``, ``mapped_bytes.current`` / ``.peak``.
@@ -685,6 +687,8 @@ def memory_stats(device=None):
             "driver_calls": doc["driver_calls"],
             "vmm_calls": doc["vmm_calls"],
             "driver_time_us": int(doc.get("driver_time_us", 0)),
+            "malloc_free_calls": doc.get("malloc_free_calls", 0),
+            "malloc_free_time_us": int(doc.get("malloc_free_time_us", 0)),
             "capacity": doc["capacity"],
             "largest_free_span": f["largest_free_span"],
             "free_bytes": f["free_bytes"],

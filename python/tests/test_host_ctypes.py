@@ -58,11 +58,17 @@ def test_memory_stats_keys(lib):
         "stranded_bytes",
         "driver_calls",
         "events_held",
+        "malloc_free_calls",
+        "malloc_free_time_us",
     ):
         assert k in m, k
         assert isinstance(m[k], int), k
     assert list(m) == sorted(m)
     assert m["capacity"] == 256 * MIB
+    # Every stitch_malloc and stitch_free of the process is counted.
+    p = lib.stitch_malloc(3 * MIB, 0, None)
+    lib.stitch_free(p, 3 * MIB, 0, None)
+    assert stitch_alloc.memory_stats(0)["malloc_free_calls"] == m["malloc_free_calls"] + 2
     # The C ABI's own document carries the events held (memory_stats reads it from there).
     assert isinstance(stitch_alloc.stats(0)["stats"]["events_held"], int)
 

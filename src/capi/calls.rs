@@ -15,8 +15,10 @@ use std::sync::atomic::Ordering;
 
 /// `stitch_malloc`: the address, or 0 on failure (reported).
 pub(super) fn malloc(rt: &Runtime, size: usize, device: c_int, stream: Stream) -> u64 {
-    malloc_by(rt, "stitch_malloc", size, device, stream, |a, n, s| {
-        a.alloc(n, s)
+    rt.api.time(|| {
+        malloc_by(rt, "stitch_malloc", size, device, stream, |a, n, s| {
+            a.alloc(n, s)
+        })
     })
 }
 
@@ -94,6 +96,11 @@ fn describe_oom(rt: &Runtime, size: usize, device: c_int, e: &AllocError) -> Str
 
 /// `stitch_free`.
 pub(super) fn free(rt: &Runtime, addr: u64, size: usize, device: c_int, stream: Stream) {
+    rt.api.time(|| free_timed(rt, addr, size, device, stream))
+}
+
+/// The body of [`free`], timed by it.
+fn free_timed(rt: &Runtime, addr: u64, size: usize, device: c_int, stream: Stream) {
     let report_at = |level, m: &str| {
         report(
             level,

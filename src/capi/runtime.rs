@@ -145,6 +145,8 @@ pub(super) struct Runtime {
     /// Per device ordinal: whether its segment log should record (`stitch_segment_log`),
     /// applied to the log when the device's allocator is created and at once when it exists.
     segments_wanted: Box<[AtomicBool]>,
+    /// The time `stitch_malloc` and `stitch_free` take (sampled; every device).
+    pub api: super::apiclock::ApiClock,
 }
 
 impl Runtime {
@@ -162,6 +164,7 @@ impl Runtime {
             devices: OnceLock::new(),
             init_count: AtomicI32::new(-1),
             segments_wanted: (0..MAX_DEVICES).map(|_| AtomicBool::new(false)).collect(),
+            api: Default::default(),
         }
     }
 
@@ -396,6 +399,8 @@ impl Runtime {
         let init = self.init_count.load(Ordering::Relaxed);
         let mut doc = StatsDoc::new(device, self.backend()?, init, &self.raw_conf, a, held)?;
         doc.segment_events_dropped = slot.map_or(0, |s| s.segments.dropped());
+        let api = self.api.estimate();
+        (doc.malloc_free_calls, doc.malloc_free_time_us) = (api.calls, api.estimated_us);
         doc.to_json()
     }
 
@@ -806,6 +811,23 @@ mod tests {
     /// Issue #13, item 5: nothing but an allocation touches the driver. Reading the
     /// configuration, `stitch_init`, statistics, `empty_cache` and `reset` of devices not
     /// used yet neither probe CUDA (`cuInit`) nor open a device.
+    #[test]
+    fn the_stats_count_and_time_every_malloc_and_free() {
+        let (rt, _) = test_rt("backend:sim", 0);
+        assert_eq!(doc(rt, 0)["malloc_free_calls"], 0);
+        assert_eq!(doc(rt, 0)["malloc_free_time_us"], 0.0);
+        for _ in 0..100 {
+            let p = malloc(rt, 3 << 20, 0, Stream::DEFAULT);
+            assert_ne!(p, 0);
+            free(rt, p, 0, Stream::DEFAULT);
+        }
+        free(rt, 0x1000, 0, Stream::DEFAULT); // refused, still a call
+        let v = doc(rt, 0);
+        assert_eq!(v["malloc_free_calls"], 201);
+        // Calls 0, 64, 128 and 192 were timed; the first created and mapped memory.
+        assert!(v["malloc_free_time_us"].as_f64().unwrap() > 0.0, "{v}");
+    }
+
     #[test]
     fn no_driver_is_touched_before_the_first_allocation() {
         let (rt, k) = test_rt("backend:cuda", 0);

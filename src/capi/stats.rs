@@ -53,6 +53,11 @@ pub(super) struct StatsDoc<'a> {
     pub graph_held_bytes: u64,
     /// Segment events (`stitch_segment_events`) dropped because too many were unread.
     pub segment_events_dropped: u64,
+    /// `stitch_malloc` and `stitch_free` calls of the process (every device).
+    pub malloc_free_calls: u64,
+    /// Their time from entry to return, microseconds (lock, engine and driver calls
+    /// included), estimated from one call in 64: what the allocator's own calls cost.
+    pub malloc_free_time_us: f64,
 }
 
 impl<'a> StatsDoc<'a> {
@@ -105,6 +110,8 @@ impl<'a> StatsDoc<'a> {
             fragmentation,
             graph_held_bytes,
             segment_events_dropped: 0,
+            malloc_free_calls: 0,
+            malloc_free_time_us: 0.0,
         })
     }
 
