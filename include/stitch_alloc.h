@@ -183,7 +183,7 @@ int stitch_empty_cache(int device);
  * graph capture, held),
  * "malloc_free_calls" and "malloc_free_time_us" (the process's stitch_malloc and
  * stitch_free calls, every device, and their time from entry to return in microseconds,
- * estimated from one call in 64),
+ * the driver calls inside them measured on every call, the rest on one call in 64),
  * "driver_time_us" (measured wall time inside driver calls, microseconds) and
  * "driver_time_us_by_call" (the same by call kind: "create", "map", "set_access", ...),
  * "driver_time_us_per_alloc" ({count, p50_us, p99_us, max_us}: the driver time of each

@@ -95,8 +95,8 @@ def driver_us():
 
 def api_us():
     """The time of the process's `stitch_malloc` / `stitch_free` calls so far (microseconds,
-    the C ABI's estimate from one call in 64) under stitch-alloc, else None; read with
-    `driver_us` at the end of each timed step (`step_api_us`)."""
+    the driver part measured in every call, the rest from one in 64) under stitch-alloc,
+    else None; read with `driver_us` at the end of each timed step (`step_api_us`)."""
     if "stitch_alloc" not in sys.modules:
         return None
     return int(sys.modules["stitch_alloc"].stats(0).get("malloc_free_time_us", 0))

@@ -664,8 +664,8 @@ def memory_stats(device=None):
     own: ``stitches``, ``stitched_handles``, ``recreated_handles``, ``extensions``, ``stranded_bytes``,
     ``driver_calls``, ``vmm_calls``, ``driver_time_us`` (wall time inside the driver),
     ``malloc_free_calls`` and ``malloc_free_time_us`` (the process's ``stitch_malloc`` /
-    ``stitch_free`` calls and their time from entry to return, estimated from one call in
-    64), ``capacity``, ``largest_free_span``, ``free_bytes``,
+    ``stitch_free`` calls and their time from entry to return: driver calls measured in
+    each, the rest from one call in 64), ``capacity``, ``largest_free_span``, ``free_bytes``,
     ``free_handle_bytes``, ``handles``, ``fast_allocs``, ``slow_allocs``, ``event_waits``,
     ``events_held`` (CUDA events held now; 0 once idle after ``empty_cache``),
     ``pending_free_bytes``, ``mapped_bytes.current`` / ``.peak``.

@@ -1,25 +1,33 @@
 //! The C ABI's own time: how long `stitch_malloc` and `stitch_free` take from entry to
-//! return (lock, engine, any driver call), estimated from every [`SAMPLE_EVERY`]th call so
-//! that the clock itself costs about a nanosecond a call. Issue #11's throughput question
+//! return (lock, engine, any driver call). The driver calls inside them are measured on
+//! every call (the metering wrapper times each one anyway); the rest, the host part, is
+//! timed on every [`SAMPLE_EVERY`]th call and scaled, so that the clock itself costs a few
+//! nanoseconds a call. (Sampling the whole call instead misses most of the rare calls that
+//! go to the driver: through torch it gave 13.8 ms where the driver alone took 229.8 ms,
+//! design/gpu-results.md run 61.) Issue #11's throughput question
 //! asks what the allocator costs inside torch; the per-step share of this figure bounds
 //! what stitch-alloc's own calls can take from a step, on a machine whose process-to-process
 //! spread hides a 1% difference (design/gpu-results.md runs 52-54, 60).
 #![forbid(unsafe_code)]
 
+use crate::driver::meter::thread_driver_ns;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 /// One call in this many is timed; the estimate scales the timed ones by it.
 pub(super) const SAMPLE_EVERY: u64 = 64;
 
-/// Counts the calls and sums the sampled ones' wall time (process-wide, every device).
-///
-/// Invariant: `sampled_ns` is the sum of the durations of calls number 0, `SAMPLE_EVERY`,
-/// `2 * SAMPLE_EVERY`, ... of `calls` (counted from 0, in the order they entered).
+/// Counts the calls, sums their driver time and the sampled ones' host time (process-wide,
+/// every device).
 #[derive(Debug, Default)]
 pub(super) struct ApiClock {
+    /// Calls entered.
     calls: AtomicU64,
-    sampled_ns: AtomicU64,
+    /// Invariant: the wall time minus the driver time of calls number 0, `SAMPLE_EVERY`,
+    /// `2 * SAMPLE_EVERY`, ... (counted from 0 in the order they entered), summed.
+    host_sampled_ns: AtomicU64,
+    /// Invariant: the driver time measured on the calling thread during every call, summed.
+    driver_ns: AtomicU64,
 }
 
 /// What [`ApiClock::estimate`] reports.
@@ -27,8 +35,8 @@ pub(super) struct ApiClock {
 pub struct ApiTime {
     /// `stitch_malloc` and `stitch_free` calls made.
     pub calls: u64,
-    /// Their estimated time in all, microseconds: the sampled calls' time times
-    /// [`SAMPLE_EVERY`] (0 before the first sample).
+    /// Their time in all, microseconds: the driver time measured in every call plus the
+    /// sampled calls' host time times [`SAMPLE_EVERY`].
     pub estimated_us: f64,
 }
 
@@ -37,21 +45,27 @@ impl ApiClock {
     #[inline]
     pub(super) fn time<T>(&self, f: impl FnOnce() -> T) -> T {
         let n = self.calls.fetch_add(1, Ordering::Relaxed);
-        if n % SAMPLE_EVERY != 0 {
-            return f();
-        }
-        let t = Instant::now();
+        let d0 = thread_driver_ns();
+        let t = (n % SAMPLE_EVERY == 0).then(Instant::now);
         let r = f();
-        let ns = u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        self.sampled_ns.fetch_add(ns, Ordering::Relaxed);
+        let driver = thread_driver_ns().saturating_sub(d0);
+        if driver > 0 {
+            self.driver_ns.fetch_add(driver, Ordering::Relaxed);
+        }
+        if let Some(t) = t {
+            let wall = u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
+            self.host_sampled_ns
+                .fetch_add(wall.saturating_sub(driver), Ordering::Relaxed);
+        }
         r
     }
 
     /// Calls so far and their estimated time.
     pub(super) fn estimate(&self) -> ApiTime {
+        let host = self.host_sampled_ns.load(Ordering::Relaxed) * SAMPLE_EVERY;
         ApiTime {
             calls: self.calls.load(Ordering::Relaxed),
-            estimated_us: (self.sampled_ns.load(Ordering::Relaxed) * SAMPLE_EVERY) as f64 / 1e3,
+            estimated_us: (host + self.driver_ns.load(Ordering::Relaxed)) as f64 / 1e3,
         }
     }
 }

@@ -16,7 +16,8 @@
 //!   (no `cuInit` at configuration read). A panic caught inside a device's allocator
 //!   disables that device: every later call on it fails, naming the panic.
 //! * `calls`: the bodies of the exports, on a given runtime.
-//! * `apiclock`: the time `stitch_malloc` and `stitch_free` take, sampled (one call in 64),
+//! * `apiclock`: the time `stitch_malloc` and `stitch_free` take (driver calls measured in
+//!   each, the rest sampled on one call in 64),
 //!   reported in [`stitch_stats_json`] as `malloc_free_calls` / `malloc_free_time_us`.
 //! * `capture`: `stitch_malloc` on a capturing stream returns NULL (graph memory comes from
 //!   `stitch_malloc_graph`); a block freed on one is held until the capture has ended.

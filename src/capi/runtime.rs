@@ -828,6 +828,32 @@ mod tests {
         assert!(v["malloc_free_time_us"].as_f64().unwrap() > 0.0, "{v}");
     }
 
+    /// The driver time of calls that are not sampled counts in full: only call 0 below is
+    /// timed, a zero-size request, and the 30 after it each create a handle.
+    #[test]
+    fn malloc_free_time_holds_the_driver_time_of_every_call() {
+        let rt = host_rt(",max_handle:2MiB");
+        alloc(&rt, 0).unwrap();
+        let before = doc(&rt, 0)["driver_time_us"].as_f64().unwrap();
+        assert_eq!(calls::malloc(&rt, 0, 0, Stream::DEFAULT), 0);
+        let ptrs: Vec<u64> = (0..30)
+            .map(|_| calls::malloc(&rt, 2 << 20, 0, Stream::DEFAULT))
+            .collect();
+        assert!(ptrs.iter().all(|&p| p != 0));
+        let v = doc(&rt, 0);
+        let driver = v["driver_time_us"].as_f64().unwrap() - before;
+        assert!(driver > 0.0, "{v}");
+        assert_eq!(v["malloc_free_calls"], 31);
+        let t = v["malloc_free_time_us"].as_f64().unwrap();
+        assert!(
+            t >= driver,
+            "{t} us estimated, {driver} us inside the driver"
+        );
+        for p in ptrs {
+            calls::free(&rt, p, 0, 0, Stream::DEFAULT);
+        }
+    }
+
     #[test]
     fn no_driver_is_touched_before_the_first_allocation() {
         let (rt, k) = test_rt("backend:cuda", 0);

@@ -56,7 +56,8 @@ pub(super) struct StatsDoc<'a> {
     /// `stitch_malloc` and `stitch_free` calls of the process (every device).
     pub malloc_free_calls: u64,
     /// Their time from entry to return, microseconds (lock, engine and driver calls
-    /// included), estimated from one call in 64: what the allocator's own calls cost.
+    /// included; the driver part measured in every call, the rest from one call in 64):
+    /// what the allocator's own calls cost.
     pub malloc_free_time_us: f64,
 }
 

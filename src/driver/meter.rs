@@ -133,6 +133,12 @@ thread_local! {
     static THREAD_NS: std::cell::Cell<(u64, u64)> = const { std::cell::Cell::new((0, 0)) };
 }
 
+/// Nanoseconds measured inside driver calls on this thread so far, by every metering
+/// wrapper (what [`Meter::scoped`] reads; the C ABI's call clock subtracts it).
+pub(crate) fn thread_driver_ns() -> u64 {
+    THREAD_NS.with(|c| c.get().1)
+}
+
 /// What a [`Metering`] driver recorded: calls, measured time and modeled time, by kind.
 #[derive(Debug)]
 pub struct Meter {
