@@ -191,6 +191,13 @@ impl<D: Driver> Allocator<D> {
     /// assert!(a.free(p, Stream::DEFAULT).is_err(), "double free");
     /// ```
     pub fn free(&self, ptr: DevicePtr, stream: Stream) -> Result<()> {
+        self.free_sized(ptr, stream).map(|_| ())
+    }
+
+    /// [`Allocator::free`], returning the usable size the block had
+    /// ([`Allocator::usable_size`] before the free), for the C ABI's size check without a
+    /// second lookup.
+    pub(crate) fn free_sized(&self, ptr: DevicePtr, stream: Stream) -> Result<u64> {
         let mut e = self.engine.lock();
         let r = e.free(&self.driver, ptr.0, stream);
         self.check(&e);

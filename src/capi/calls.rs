@@ -123,20 +123,19 @@ fn free_timed(rt: &Runtime, addr: u64, size: usize, device: c_int, stream: Strea
                  capture has ended); not freed",
             );
         }
-        if size != 0 {
-            if let Some(usable) = a.usable_size(DevicePtr(addr)) {
-                if size as u64 > usable {
-                    fail(&format!(
-                        "size {size} exceeds the allocation's {usable} bytes (freed anyway)"
-                    ));
-                }
+        let check_size = |usable: u64| {
+            if size != 0 && size as u64 > usable {
+                fail(&format!(
+                    "size {size} exceeds the allocation's {usable} bytes (freed anyway)"
+                ));
             }
-        }
+        };
         // A query that fails is taken as a capture: holding a block is safe, reusing one
         // that a graph still uses is not.
         let capturing = a.driver().stream_capturing(stream).unwrap_or(true);
         if capturing {
             if let Some(usable) = a.usable_size(DevicePtr(addr)) {
+                check_size(usable);
                 slot.held.hold(addr, usable, stream);
                 tracing::debug!(
                     addr,
@@ -145,8 +144,9 @@ fn free_timed(rt: &Runtime, addr: u64, size: usize, device: c_int, stream: Strea
                 return;
             }
         }
-        match a.free(DevicePtr(addr), stream) {
-            Ok(()) => {}
+        // One lookup under one lock: the free returns the block's usable size for the check.
+        match a.free_sized(DevicePtr(addr), stream) {
+            Ok(usable) => check_size(usable),
             Err(e @ AllocError::InvalidPointer { .. }) => match rt.owner_of(addr) {
                 Some(other) => fail(&format!(
                     "the pointer belongs to device {other}, not {device}; not freed"

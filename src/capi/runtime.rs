@@ -828,6 +828,28 @@ mod tests {
         assert!(v["malloc_free_time_us"].as_f64().unwrap() > 0.0, "{v}");
     }
 
+    /// A size larger than the allocation is reported, and the block is freed all the same
+    /// (checked on the block the free looked up, in the same lookup).
+    #[test]
+    fn free_with_a_size_above_the_allocation_reports_it_and_frees() {
+        let (rt, _) = test_rt("backend:sim", 0);
+        let p = malloc(rt, 3 << 20, 0, Stream::DEFAULT);
+        assert_ne!(p, 0);
+        guard("stitch_free", (), || {
+            calls::free(rt, p, 64 << 20, 0, Stream::DEFAULT)
+        });
+        let e = last_error();
+        assert!(e.contains("size 67108864 exceeds the allocation's"), "{e}");
+        assert!(e.contains("freed anyway"), "{e}");
+        assert_eq!(doc(rt, 0)["torch"]["allocated_bytes.all.current"], 0);
+        // A size that fits (the usable size rounds up) says nothing.
+        let q = malloc(rt, 3 << 20, 0, Stream::DEFAULT);
+        guard("stitch_free", (), || {
+            calls::free(rt, q, 3 << 20, 0, Stream::DEFAULT)
+        });
+        assert_eq!(doc(rt, 0)["torch"]["allocated_bytes.all.current"], 0);
+    }
+
     /// The driver time of calls that are not sampled counts in full: only call 0 below is
     /// timed, a zero-size request, and the 30 after it each create a handle.
     #[test]

@@ -484,7 +484,7 @@ impl Engine {
         d: &D,
         ptr: u64,
         stream: Stream,
-    ) -> Result<()> {
+    ) -> Result<u64> {
         if self.shut_down {
             return Err(AllocError::ShutDown);
         }
@@ -541,7 +541,7 @@ impl Engine {
             self.stats.pending_free += size;
         }
         self.forget_live(ptr, i, requested, size);
-        Ok(())
+        Ok(size)
     }
 
     /// Wait until every free made on `stream` is usable by everyone; afterwards the allocator
