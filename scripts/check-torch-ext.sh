@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Compile-check the C++ torch extension (python/stitch_alloc/csrc/stitch_torch.cpp) against
-# torch 2.11's headers on a machine with no GPU and no torch installed: downloads the torch
+# Compile-check the C++ torch extension (python/stitch_alloc/csrc/stitch_torch.cpp), and
+# scripts/torch-alloc-pair.cpp, against torch 2.11's headers on a machine with no GPU and no torch installed: downloads the torch
 # wheel (no dependencies, about 530 MB) and the CUDA runtime and crt header wheels, unpacks
 # only their headers, compiles the extension to an object file, then links it as a shared
 # library against the wheel's libc10/libtorch (only undefined Python and CUDA runtime symbols
@@ -58,6 +58,13 @@ g++ -std=c++17 -fPIC -D_GLIBCXX_USE_CXX11_ABI=1 -DTORCH_EXTENSION_NAME=stitch_al
     -I include -I "$T/include" -I "$T/include/torch/csrc/api/include" \
     -I "$cuda_inc" -I "$crt_inc" -I "$py_inc" \
     -c python/stitch_alloc/csrc/stitch_torch.cpp -o "$work/stitch_torch.o"
+# scripts/torch-alloc-pair.cpp (torch-alloc-pair.py builds it on the GPU machine) compiles
+# against the same headers.
+g++ -std=c++17 -fPIC -D_GLIBCXX_USE_CXX11_ABI=1 -DTORCH_EXTENSION_NAME=stitch_alloc_pair \
+    -O0 -Wall -Wextra -Wno-unused-parameter -Werror \
+    -I "$T/include" -I "$T/include/torch/csrc/api/include" \
+    -I "$cuda_inc" -I "$crt_inc" -I "$py_inc" \
+    -c scripts/torch-alloc-pair.cpp -o "$work/torch_alloc_pair.o"
 # Every undefined symbol must be a torch one the wheel's libraries define, or a Python /
 # CUDA runtime one (resolved at run time).
 undefined=$(g++ -shared -o "$work/stitch_torch.so" "$work/stitch_torch.o" -L "$T/lib" \

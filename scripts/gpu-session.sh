@@ -18,6 +18,9 @@
 #   bash scripts/gpu-session.sh dropin [args] # scripts/torch-dropin.py: torch's memory API,
 #                                        # OOM, cuDNN, torch.compile, graphs, history, IPC
 #                                        # under default and stitch-alloc, one line per case
+#   bash scripts/gpu-session.sh allocpair [args] # scripts/torch-alloc-pair.py: PyTorch's
+#                                        # allocator and stitch-alloc's C ABI, ns per malloc +
+#                                        # free pair, alternating rounds in one process
 #   AB_B=conf bash scripts/gpu-session.sh ab # the zoo under two STITCH_ALLOC_CONF settings,
 #                                        # alternating (AB_A, AB_B, AB_REPEAT), medians side by side
 #   bash scripts/gpu-session.sh clients [args] # scripts/torch-clients.py: real clients unchanged
@@ -106,6 +109,12 @@ throughput)
         --workloads "${THROUGHPUT_WORKLOADS:-llm-train-s,bert-encode}" --configs default,stitch \
         --repeat "${THROUGHPUT_REPEAT:-5}" --jobs 1 "${@:2}" 2>&1 | tee "$out/throughput.txt" | tail -30
     cp "$tp/zoo.json" "$out/throughput.json" 2>/dev/null
+    ;;
+allocpair)
+    # PyTorch's allocator and stitch-alloc's C ABI per malloc + free pair in one process
+    # (scripts/torch-alloc-pair.py: builds a small C++ extension first, about a minute).
+    PYTHONUNBUFFERED=1 timeout "${ALLOCPAIR_TIMEOUT:-400}" python3 scripts/torch-alloc-pair.py \
+        --lib "$(pwd)/.gpu/libstitch_alloc.so" "${@:2}" 2>&1 | tee "$out/allocpair.txt" | tail -20
     ;;
 ab)
     # One stitch-alloc setting against another through torch (the simulator shortlists,
