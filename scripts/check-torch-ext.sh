@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Compile-check the C++ torch extension (python/stitch_alloc/csrc/stitch_torch.cpp), and
-# scripts/torch-alloc-pair.cpp, against torch 2.11's headers on a machine with no GPU and no torch installed: downloads the torch
-# wheel (no dependencies, about 530 MB) and the CUDA runtime and crt header wheels, unpacks
+# scripts/torch-alloc-pair.cpp, against torch 2.11's headers on a machine with no GPU and
+# no torch installed: downloads the torch wheel (no dependencies, about 530 MB) and the
+# CUDA runtime and crt header wheels, unpacks
 # only their headers, compiles the extension to an object file, then links it as a shared
 # library against the wheel's libc10/libtorch (only undefined Python and CUDA runtime symbols
 # are allowed: those come from the interpreter and libcudart at run time), which proves
