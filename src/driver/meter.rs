@@ -135,6 +135,7 @@ thread_local! {
 
 /// Nanoseconds measured inside driver calls on this thread so far, by every metering
 /// wrapper (what [`Meter::scoped`] reads; the C ABI's call clock subtracts it).
+#[cfg_attr(not(feature = "capi"), allow(dead_code))]
 pub(crate) fn thread_driver_ns() -> u64 {
     THREAD_NS.with(|c| c.get().1)
 }
