@@ -632,10 +632,7 @@ def paced(results):
              "", "| workload | allocator | runs | median step / probe | range | speed vs default "
              "| 95% interval | r(step, probe) |", "|---|---|---|---|---|---|---|---|"]
     for (w, c), v in sorted(runs.items()):
-        ref = runs.get((w, "default"))
-        rel = f"{median(ref) / median(v):.3f}" if ref else ""
-        lo, hi = speed_interval(ref, v) if ref and c != "default" else (None, None)
-        ci = f"{lo:.3f}-{hi:.3f}" if lo is not None else ""
+        rel, ci = speed_cells(runs, w, c)
         xs = pairs[w]
         r = ""
         if len(xs) > 2:
@@ -665,13 +662,21 @@ def throughput(results):
     lines = ["| workload | allocator | runs | median step | range over runs | speed vs default "
              "| 95% interval |", "|---|---|---|---|---|---|---|"]
     for (w, c), v in sorted(runs.items()):
-        ref = runs.get((w, "default"))
-        rel = f"{median(ref) / median(v):.3f}" if ref else ""
-        lo, hi = speed_interval(ref, v) if ref and c != "default" else (None, None)
-        ci = f"{lo:.3f}-{hi:.3f}" if lo is not None else ""
+        rel, ci = speed_cells(runs, w, c)
         lines.append(f"| {w} | {c} | {len(v)} | {median(v) * 1e3:.1f} ms | "
                      f"{min(v) * 1e3:.1f}-{max(v) * 1e3:.1f} ms | {rel} | {ci} |")
     return "\n".join(lines)
+
+
+def speed_cells(runs, w, c):
+    """The "speed vs default" and "95% interval" cells of workload `w` under allocator `c`,
+    from `runs` {(workload, allocator): [per-run values, lower is faster]}."""
+    from statistics import median
+
+    v, ref = runs[(w, c)], runs.get((w, "default"))
+    rel = f"{median(ref) / median(v):.3f}" if ref else ""
+    lo, hi = speed_interval(ref, v) if ref and c != "default" else (None, None)
+    return rel, (f"{lo:.3f}-{hi:.3f}" if lo is not None else "")
 
 
 def speed_interval(ref, runs, resamples=4000):
