@@ -83,23 +83,17 @@ def _llama(torch, layers, hidden, dtype, vocab=32000):
         torch.set_default_dtype(prev)
 
 
-def driver_us():
-    """The C ABI's driver time so far (microseconds) under stitch-alloc, else None; read
-    at the end of each step of the workloads that time their steps (`step_driver_us`), so
+def abi_times():
+    """The C ABI's driver time and its `stitch_malloc` / `stitch_free` time so far
+    (microseconds; the latter's driver part measured in every call, the rest from one in
+    64) under stitch-alloc, else (None, None), from one statistics read; read at the end of
+    each step of the workloads that time their steps (`step_driver_us`, `step_api_us`), so
     warm-up and steady state can be told apart (design/zoo.md, "Where the driver time
     falls")."""
     if "stitch_alloc" not in sys.modules:
-        return None
-    return int(sys.modules["stitch_alloc"].stats(0).get("driver_time_us", 0))
-
-
-def api_us():
-    """The time of the process's `stitch_malloc` / `stitch_free` calls so far (microseconds,
-    the driver part measured in every call, the rest from one in 64) under stitch-alloc,
-    else None; read with `driver_us` at the end of each timed step (`step_api_us`)."""
-    if "stitch_alloc" not in sys.modules:
-        return None
-    return int(sys.modules["stitch_alloc"].stats(0).get("malloc_free_time_us", 0))
+        return None, None
+    doc = sys.modules["stitch_alloc"].stats(0)
+    return int(doc.get("driver_time_us", 0)), int(doc.get("malloc_free_time_us", 0))
 
 
 def _train_llm(torch, rng, steps, layers, hidden, max_batch, max_seq, ckpt=False):
@@ -120,8 +114,9 @@ def _train_llm(torch, rng, steps, layers, hidden, max_batch, max_seq, ckpt=False
         opt.zero_grad(set_to_none=True)
         losses.append(round(out.loss.detach().float().item(), 4))  # synchronises
         step_seconds.append(time.perf_counter() - t0)
-        step_driver.append(driver_us())
-        step_api.append(api_us())
+        d_us, a_us = abi_times()
+        step_driver.append(d_us)
+        step_api.append(a_us)
         del out, ids
     return {"steps": steps, "losses": losses, "step_seconds": step_seconds,
             "step_driver_us": step_driver, "step_api_us": step_api, "_keep": (model, opt)}
@@ -195,8 +190,9 @@ def w_bert_encode(torch, rng, quick):
             n += emb.shape[0]
             torch.cuda.synchronize()
             step_seconds.append(time.perf_counter() - t0)
-            step_driver.append(driver_us())
-            step_api.append(api_us())
+            d_us, a_us = abi_times()
+            step_driver.append(d_us)
+            step_api.append(a_us)
             del out, ids, emb
     return {"sentences": n, "step_seconds": step_seconds, "step_driver_us": step_driver,
             "step_api_us": step_api, "_keep": model}

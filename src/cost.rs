@@ -229,9 +229,8 @@ impl CostModel {
 
     /// One `cuMemSetAccess` over a range covering mappings of the given sizes: the
     /// per-handle price of each plus `set_access_quadratic * N * min(N,
-    /// set_access_linear_from)` for N mappings. An empty
-    /// list (a range the caller could not resolve into mappings) is priced as one handle of
-    /// `range_size` bytes.
+    /// set_access_linear_from)` for N mappings. An empty list (a range the caller could not
+    /// resolve into mappings) is priced as one handle of `range_size` bytes.
     ///
     /// ```
     /// use stitch_alloc::cost::CostModel;

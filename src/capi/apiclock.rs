@@ -4,10 +4,10 @@
 //! timed on every [`SAMPLE_EVERY`]th call and scaled, so that the clock itself costs a few
 //! nanoseconds a call. (Sampling the whole call instead misses most of the rare calls that
 //! go to the driver: through torch it gave 13.8 ms where the driver alone took 229.8 ms,
-//! design/gpu-results.md run 61.) Issue #11's throughput question
-//! asks what the allocator costs inside torch; the per-step share of this figure bounds
-//! what stitch-alloc's own calls can take from a step, on a machine whose process-to-process
-//! spread hides a 1% difference (design/gpu-results.md runs 52-54, 60).
+//! design/gpu-results.md run 61.) Issue #11's throughput question asks what the allocator
+//! costs inside torch; the per-step share of this figure bounds what stitch-alloc's own
+//! calls can take from a step, on a machine whose process-to-process spread hides a 1%
+//! difference (design/gpu-results.md runs 52-54, 60).
 #![forbid(unsafe_code)]
 
 use crate::driver::meter::thread_driver_ns;
@@ -31,13 +31,13 @@ pub(super) struct ApiClock {
 }
 
 /// What [`ApiClock::estimate`] reports.
-#[derive(Copy, Clone, Debug, Default, PartialEq, serde::Serialize)]
-pub struct ApiTime {
+#[derive(Copy, Clone, Debug, Default, PartialEq)]
+pub(super) struct ApiTime {
     /// `stitch_malloc` and `stitch_free` calls made.
-    pub calls: u64,
+    pub(super) calls: u64,
     /// Their time in all, microseconds: the driver time measured in every call plus the
     /// sampled calls' host time times [`SAMPLE_EVERY`].
-    pub estimated_us: f64,
+    pub(super) estimated_us: f64,
 }
 
 impl ApiClock {

@@ -145,7 +145,7 @@ pub(super) struct Runtime {
     /// Per device ordinal: whether its segment log should record (`stitch_segment_log`),
     /// applied to the log when the device's allocator is created and at once when it exists.
     segments_wanted: Box<[AtomicBool]>,
-    /// The time `stitch_malloc` and `stitch_free` take (sampled; every device).
+    /// The time `stitch_malloc` and `stitch_free` take (every device; see `apiclock`).
     pub api: super::apiclock::ApiClock,
 }
 
@@ -808,9 +808,6 @@ mod tests {
         assert!(rt.stats_json(9).unwrap_err().contains("out of range"));
     }
 
-    /// Issue #13, item 5: nothing but an allocation touches the driver. Reading the
-    /// configuration, `stitch_init`, statistics, `empty_cache` and `reset` of devices not
-    /// used yet neither probe CUDA (`cuInit`) nor open a device.
     #[test]
     fn the_stats_count_and_time_every_malloc_and_free() {
         let (rt, _) = test_rt("backend:sim", 0);
@@ -876,6 +873,9 @@ mod tests {
         }
     }
 
+    /// Issue #13, item 5: nothing but an allocation touches the driver. Reading the
+    /// configuration, `stitch_init`, statistics, `empty_cache` and `reset` of devices not
+    /// used yet neither probe CUDA (`cuInit`) nor open a device.
     #[test]
     fn no_driver_is_touched_before_the_first_allocation() {
         let (rt, k) = test_rt("backend:cuda", 0);
