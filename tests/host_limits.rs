@@ -1,16 +1,26 @@
 //! The host backend names the OS limit it hits. Its own test binary: it lowers this process's
 //! open-file limit.
 
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard};
 use stitch_alloc::driver::{code, Driver, HostDriver};
 use stitch_alloc::{AllocError, Allocator, Capacity, Config, Stream};
 
-/// The tests of this binary change the process's open-file limit: one at a time.
+/// The tests of this binary change the process's open-file limit, which every thread of the
+/// process shares: one test at a time, for its whole body. Holding the lock only while the
+/// limit is low was not enough: another test's allocator, still alive, created or released
+/// memfds meanwhile and took the file the low-limit test had just freed (8 failures in 300
+/// runs of this binary, and one CI run).
 static LIMIT: Mutex<()> = Mutex::new(());
 
-/// Run `f` with the soft open-file limit at `n`, then restore it.
+/// Taken first by every test of this binary, so that it is dropped after everything else the
+/// test holds (allocators and drivers included).
+fn one_at_a_time() -> MutexGuard<'static, ()> {
+    LIMIT.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Run `f` with the soft open-file limit at `n`, then restore it. The caller holds
+/// [`one_at_a_time`].
 fn with_open_file_limit<T>(n: u64, f: impl FnOnce() -> T) -> T {
-    let _one = LIMIT.lock().unwrap_or_else(|e| e.into_inner());
     let mut lim = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
@@ -33,6 +43,7 @@ fn with_open_file_limit<T>(n: u64, f: impl FnOnce() -> T) -> T {
 /// memfd): it falls back to stitching the free handles it has, as on a full GPU.
 #[test]
 fn out_of_file_descriptors_falls_back_to_stitching() {
+    let _one = one_at_a_time();
     let g = 64 << 10;
     let d = HostDriver::with_config(g, 1 << 30).unwrap();
     let cfg = Config::default()
@@ -70,7 +81,7 @@ fn out_of_file_descriptors_falls_back_to_stitching() {
 
 #[test]
 fn hitting_the_open_file_limit_is_a_clear_error() {
-    let _one = LIMIT.lock().unwrap_or_else(|e| e.into_inner());
+    let _one = one_at_a_time();
     let mut lim = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
@@ -112,6 +123,7 @@ fn hitting_the_open_file_limit_is_a_clear_error() {
 /// 1 GiB).
 #[test]
 fn an_allocator_fills_its_capacity_under_a_low_open_file_limit() {
+    let _one = one_at_a_time();
     let g = 64 << 10;
     with_open_file_limit(400, || {
         let d = HostDriver::with_config(g, 1 << 30).unwrap();
