@@ -272,7 +272,7 @@ impl Engine {
         let aligned = if place || self.arena.blocks[i as usize].pool != Pool::Large {
             0
         } else {
-            placement::contiguous_offset(&self.arena, handles, i, rsize)
+            placement::contiguous_offset(&self.arena, handles, self.cfg.granularity, i, rsize)
         };
         let addr = self.arena.take(i, rsize, requested, stream, |a, size| {
             if !place {
