@@ -11,6 +11,7 @@ use stitch_alloc::trace::{self, Event, Format, ReadOptions, Trace, TraceError};
 use stitch_alloc::{Allocator, Config};
 
 const GIB: u64 = 1 << 30;
+const MIB: u64 = 1 << 20;
 
 fn data(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -525,6 +526,7 @@ fn generators_are_deterministic() {
         ("train-small.trace", Kind::Train),
         ("checkerboard-small.trace", Kind::Checkerboard),
         ("adversarial-small.trace.gz", Kind::Adversarial),
+        ("serve-small.trace.gz", Kind::Serve),
     ] {
         assert_eq!(
             read(file).unwrap(),
@@ -552,6 +554,34 @@ fn full_size_generators_match_the_brief() {
     let adv = gen::generate(Kind::Adversarial, 1, Scale::Full).summary();
     assert_eq!(adv.streams, 4);
     assert!(adv.largest_alloc > GIB);
+    serve_is_the_zoo_serving_loop();
+}
+
+/// `gen serve` at full size is the zoo's `serve` (design/zoo.md: 0.72 GiB peak): a 4-layer
+/// model of 1536, 48 requests; each decode step re-allocates every layer's K and V one
+/// token (3 KiB) longer, so the caches cross the 1 MiB small threshold as they grow.
+fn serve_is_the_zoo_serving_loop() {
+    let t = gen::generate(Kind::Serve, 1, Scale::Full);
+    let s = t.summary();
+    assert!(
+        (600 * MIB..850 * MIB).contains(&s.peak_live_bytes),
+        "peak live {}",
+        s.peak_live_bytes
+    );
+    assert_eq!(s.final_live_bytes, 0);
+    assert!(s.allocs > 200_000, "{} allocations", s.allocs);
+    // Consecutive K re-allocations of one layer differ by one token: count allocations of
+    // 1-4 MiB whose size is a multiple of 3 KiB (K and V of 342-1365 tokens, prefills).
+    let row = 3 * 1024;
+    let caches = t
+        .events
+        .iter()
+        .filter(|e| {
+            matches!(e, Event::Alloc { bytes, .. }
+                if (MIB..4 * MIB).contains(bytes) && bytes % row == 0)
+        })
+        .count();
+    assert!(caches > 10_000, "{caches} large K/V allocations");
 }
 
 // ----- replay -----
@@ -563,6 +593,7 @@ fn shipped() -> Vec<(&'static str, u64)> {
         ("checkerboard-small.trace", 2 * GIB),
         ("adversarial-small.trace.gz", 4 * GIB),
         ("torch-small.pickle.gz", 4 * GIB),
+        ("serve-small.trace.gz", GIB),
     ]
 }
 

@@ -267,7 +267,7 @@ struct ReplayArgs {
 
 #[derive(Args)]
 struct GenArgs {
-    /// llm, train, checkerboard or adversarial.
+    /// llm, train, checkerboard, adversarial or serve.
     kind: Kind,
     /// The seed: the same seed gives the same trace, byte for byte.
     #[arg(long, default_value_t = 1)]

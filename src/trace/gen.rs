@@ -11,6 +11,7 @@
 //! | [`Kind::Train`] | training iterations: parameters and optimizer state allocated once, forward activations freed in reverse during backward, gradients, a different sequence length each iteration |
 //! | [`Kind::Checkerboard`] | fill ~129 GB with 100–300 MiB tensors, free every other one, then probe the largest single allocation |
 //! | [`Kind::Adversarial`] | a random mix of 512 B – 2 GiB requests and random frees on several streams |
+//! | [`Kind::Serve`] | serving as Hugging Face's `DynamicCache` does it: requests of different lengths admitted and retired, each layer's K and V re-allocated one token longer at every decode step (`torch.cat`), a prefill's activations and logits per admitted request |
 //!
 //! ```
 //! use stitch_alloc::trace::gen::{generate, Kind, Scale};
@@ -126,15 +127,18 @@ pub enum Kind {
     Checkerboard,
     /// A random adversarial mix.
     Adversarial,
+    /// Serving with KV caches grown one token at a time by concatenation.
+    Serve,
 }
 
 impl Kind {
     /// Every kind.
-    pub const ALL: [Kind; 4] = [
+    pub const ALL: [Kind; 5] = [
         Kind::Llm,
         Kind::Train,
         Kind::Checkerboard,
         Kind::Adversarial,
+        Kind::Serve,
     ];
     /// The command-line name.
     pub fn name(self) -> &'static str {
@@ -143,6 +147,7 @@ impl Kind {
             Kind::Train => "train",
             Kind::Checkerboard => "checkerboard",
             Kind::Adversarial => "adversarial",
+            Kind::Serve => "serve",
         }
     }
 }
@@ -155,7 +160,7 @@ impl FromStr for Kind {
             .find(|k| k.name() == s)
             .ok_or_else(|| {
                 format!(
-                    "unknown trace kind {s:?} (expected llm, train, checkerboard or adversarial)"
+                    "unknown trace kind {s:?} (expected llm, train, checkerboard, adversarial or serve)"
                 )
             })
     }
@@ -203,6 +208,14 @@ pub fn generate(kind: Kind, seed: u64, scale: Scale) -> Trace {
                 AdversarialParams::small()
             } else {
                 AdversarialParams::default()
+            },
+            seed,
+        ),
+        Kind::Serve => serve(
+            &if small {
+                ServeParams::small()
+            } else {
+                ServeParams::default()
             },
             seed,
         ),
@@ -700,6 +713,199 @@ pub fn adversarial(p: &AdversarialParams, seed: u64) -> Trace {
     }
     for (id, _, stream) in live {
         b.free_on(id, stream);
+    }
+    b.finish()
+}
+
+/// Parameters of the serving generator (a decoder-only transformer, no grouped-query
+/// attention: K and V are `hidden` wide).
+#[derive(Clone, Debug)]
+pub struct ServeParams {
+    /// Transformer layers.
+    pub layers: u64,
+    /// Hidden size.
+    pub hidden: u64,
+    /// MLP width.
+    pub intermediate: u64,
+    /// Vocabulary size (embedding, LM head, logits).
+    pub vocab: u64,
+    /// Bytes per element (2: bf16).
+    pub elem_bytes: u64,
+    /// Requests served in all.
+    pub requests: u64,
+    /// Most requests decoding at once.
+    pub max_active: u64,
+    /// Most requests admitted (prefilled) per step.
+    pub admit_per_step: u64,
+    /// Prompt length range (tokens).
+    pub prompt_tokens: (u64, u64),
+    /// Generated length range (tokens).
+    pub gen_tokens: (u64, u64),
+}
+
+impl Default for ServeParams {
+    /// The zoo's `serve` workload (scripts/torch-zoo.py: 4 layers of 1536, 48 requests, 16
+    /// at once, prompts of 32-1024 tokens, 8-160 new tokens): K and V tensors of 3 KiB per
+    /// token, so that they cross the 1 MiB small threshold as they grow.
+    fn default() -> Self {
+        ServeParams {
+            layers: 4,
+            hidden: 1536,
+            intermediate: 4096,
+            vocab: 32_000,
+            elem_bytes: 2,
+            requests: 48,
+            max_active: 16,
+            admit_per_step: 2,
+            prompt_tokens: (32, 1024),
+            gen_tokens: (8, 160),
+        }
+    }
+}
+
+impl ServeParams {
+    /// A scaled-down variant: a few ten thousand events, K and V tensors up to about 1.5 MiB.
+    pub fn small() -> Self {
+        ServeParams {
+            layers: 2,
+            hidden: 1024,
+            intermediate: 2816,
+            vocab: 8_000,
+            elem_bytes: 2,
+            requests: 10,
+            max_active: 5,
+            admit_per_step: 2,
+            prompt_tokens: (16, 760),
+            gen_tokens: (8, 48),
+        }
+    }
+}
+
+/// Serving as a Hugging Face model with a `DynamicCache` does it: the weights; requests
+/// admitted up to `max_active` (a prefill each: per layer the activations of the prompt,
+/// its K and V kept as the cache, then the logits of every prompt token); then one decode
+/// step for every active request per round, in which each layer's K and V are re-allocated
+/// one token longer and the old ones freed after the copy (`torch.cat`), beside the step's
+/// small activations; a finished request frees its cache.
+pub fn serve(p: &ServeParams, seed: u64) -> Trace {
+    struct Req {
+        /// Per layer: the ids of its K and V tensors, `len` tokens long.
+        kv: Vec<(u64, u64)>,
+        len: u64,
+        /// Tokens still to generate.
+        left: u64,
+    }
+    let mut r = Rng::new(seed);
+    let mut b = Builder::default();
+    let e = p.elem_bytes;
+    let row = p.hidden * e; // one token's hidden state, and one token of K (or V)
+    let mlp_row = p.intermediate * e;
+    // Weights: embedding and LM head; per layer four attention and three MLP matrices and
+    // two norms.
+    let mut weights = vec![b.alloc(p.vocab * row, 0)];
+    for _ in 0..p.layers {
+        for _ in 0..4 {
+            weights.push(b.alloc(p.hidden * row, 0));
+        }
+        for _ in 0..3 {
+            weights.push(b.alloc(p.hidden * mlp_row, 0));
+        }
+        weights.push(b.alloc(row, 0));
+        weights.push(b.alloc(row, 0));
+    }
+    weights.push(b.alloc(row, 0));
+    weights.push(b.alloc(p.vocab * row, 0));
+    // One layer's forward over `t` tokens: the norm, the projections, attention, the MLP;
+    // returns the new K and V (kept by the caller) and frees everything else.
+    let layer = |b: &mut Builder, t: u64| -> (u64, u64) {
+        let h = b.alloc(t * row, 0);
+        let q = b.alloc(t * row, 0);
+        let k = b.alloc(t * row, 0);
+        let v = b.alloc(t * row, 0);
+        let qr = b.alloc(t * row, 0);
+        let kr = b.alloc(t * row, 0);
+        b.free(q);
+        b.free(k);
+        b.free(h);
+        let attn = b.alloc(t * row, 0);
+        b.free(qr);
+        let o = b.alloc(t * row, 0);
+        b.free(attn);
+        let res = b.alloc(t * row, 0);
+        b.free(o);
+        let h2 = b.alloc(t * row, 0);
+        let gate = b.alloc(t * mlp_row, 0);
+        let up = b.alloc(t * mlp_row, 0);
+        let act = b.alloc(t * mlp_row, 0);
+        b.free(gate);
+        let mul = b.alloc(t * mlp_row, 0);
+        b.free(act);
+        b.free(up);
+        let down = b.alloc(t * row, 0);
+        b.free(mul);
+        b.free(h2);
+        let out = b.alloc(t * row, 0);
+        b.free(down);
+        b.free(res);
+        b.free(out);
+        (kr, v)
+    };
+    let mut active: Vec<Req> = Vec::new();
+    let (mut arrived, mut done) = (0, 0);
+    while done < p.requests {
+        for _ in 0..p.admit_per_step {
+            if arrived == p.requests || active.len() as u64 >= p.max_active {
+                break;
+            }
+            let prompt = r.range(p.prompt_tokens.0, p.prompt_tokens.1);
+            let gen = r.range(p.gen_tokens.0, p.gen_tokens.1);
+            let ids = b.alloc(prompt * 8, 0);
+            let kv: Vec<(u64, u64)> = (0..p.layers).map(|_| layer(&mut b, prompt)).collect();
+            let logits = b.alloc(prompt * p.vocab * e, 0);
+            let last = b.alloc(p.vocab * e, 0);
+            b.free(logits);
+            b.free(ids);
+            b.free(last);
+            active.push(Req {
+                kv,
+                len: prompt,
+                left: gen,
+            });
+            arrived += 1;
+        }
+        for q in active.iter_mut() {
+            for kv in q.kv.iter_mut() {
+                let (k1, v1) = layer(&mut b, 1);
+                // torch.cat: the longer tensor first, the old one freed after the copy.
+                let k = b.alloc((q.len + 1) * row, 0);
+                b.free(kv.0);
+                b.free(k1);
+                let v = b.alloc((q.len + 1) * row, 0);
+                b.free(kv.1);
+                b.free(v1);
+                *kv = (k, v);
+            }
+            let logits = b.alloc(p.vocab * e, 0);
+            b.free(logits);
+            q.len += 1;
+            q.left = q.left.saturating_sub(1);
+        }
+        let mut i = 0;
+        while i < active.len() {
+            if active[i].left == 0 {
+                let q = active.swap_remove(i);
+                for (k, v) in q.kv {
+                    b.free(k);
+                    b.free(v);
+                }
+                done += 1;
+            } else {
+                i += 1;
+            }
+        }
+    }
+    for w in weights.into_iter().rev() {
+        b.free(w);
     }
     b.finish()
 }
