@@ -101,5 +101,60 @@ fn threads(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, cached_pair, mixed, threads);
+/// A recorded training loop's allocations and frees, replayed again and again on one
+/// allocator (`tests/data/zoo/*.pickle.gz`, the default stream, no GPU lag): the mix of sizes,
+/// lifetimes and slow paths that torch's calls make, per allocation + free. Two rounds warm
+/// the allocator first; design/zoo.md ("The hot path", tenth session) has the profile.
+fn zoo_loop(c: &mut Criterion) {
+    use stitch_alloc::trace::{read_path, Event, ReadOptions};
+    let mut g = c.benchmark_group("zoo_loop");
+    g.sample_size(10);
+    for name in ["llm-train-s", "hf-generate"] {
+        let path = format!(
+            "{}/tests/data/zoo/{name}.pickle.gz",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        let t = read_path(&path, ReadOptions::default()).expect("a shipped zoo snapshot");
+        // Each allocation gets a slot; a free names its allocation's slot.
+        let mut slot = std::collections::HashMap::new();
+        let mut ops: Vec<(usize, Option<u64>)> = Vec::new();
+        for e in &t.events {
+            match *e {
+                Event::Alloc { id, bytes, .. } => {
+                    slot.insert(id, ops.len());
+                    ops.push((ops.len(), Some(bytes)));
+                }
+                Event::Free { id, .. } => {
+                    if let Some(s) = slot.remove(&id) {
+                        ops.push((s, None));
+                    }
+                }
+                _ => {}
+            }
+        }
+        let mut left: Vec<usize> = slot.into_values().collect();
+        left.sort_unstable();
+        let pairs = ops.iter().filter(|o| o.1.is_some()).count() as u64;
+        let a = Allocator::new(SimDriver::new(), Config::default()).unwrap();
+        let mut ptrs: Vec<Option<DevicePtr>> = vec![None; ops.len()];
+        let mut round = || {
+            for &(s, bytes) in &ops {
+                match bytes {
+                    Some(n) => ptrs[s] = Some(a.alloc(n, Stream::DEFAULT).unwrap()),
+                    None => a.free(ptrs[s].take().unwrap(), Stream::DEFAULT).unwrap(),
+                }
+            }
+            for &s in &left {
+                a.free(ptrs[s].take().unwrap(), Stream::DEFAULT).unwrap();
+            }
+        };
+        round();
+        round();
+        g.throughput(Throughput::Elements(pairs));
+        g.bench_function(BenchmarkId::new("pairs", name), |b| b.iter(&mut round));
+    }
+    g.finish();
+}
+
+criterion_group!(benches, cached_pair, mixed, threads, zoo_loop);
 criterion_main!(benches);
