@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -38,8 +39,15 @@ def main():
     from torch.utils.cpp_extension import load
 
     t0 = time.time()
+    # The CUDA headers and libraries as the package's own extension finds them (CUDA_HOME,
+    # else torch's CUDA wheels: the GPU machine has no CUDA toolkit headers of its own).
+    sys.path.insert(0, os.path.join(HERE, "..", "python"))
+    from stitch_alloc import cuda_build_flags
+
+    incs, ldflags, with_cuda = cuda_build_flags()
     ext = load(name="stitch_alloc_pair", sources=[os.path.join(HERE, "torch-alloc-pair.cpp")],
-               extra_ldflags=["-ldl"], verbose=False)
+               extra_include_paths=incs, extra_ldflags=ldflags + ["-ldl"], with_cuda=with_cuda,
+               verbose=False)
     built = time.time() - t0
     torch.cuda.init()
     lib = os.path.abspath(a.lib)

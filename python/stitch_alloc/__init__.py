@@ -327,6 +327,27 @@ def _extension_build_dir():
     return os.path.join(root, h.hexdigest()[:16])
 
 
+def cuda_build_flags():
+    """(extra include dirs, extra linker flags, ``with_cuda``) for a
+    ``torch.utils.cpp_extension.load`` of C++ code that includes torch's CUDA headers: from
+    ``CUDA_HOME`` when torch finds a CUDA installation, else from torch's CUDA runtime wheels
+    (``nvidia/cu13``), linking the runtime and torch's CUDA libraries by hand. Used by the
+    extension's build and by ``scripts/torch-alloc-pair.py``. Importing
+    ``torch.utils.cpp_extension`` initialises CUDA: call it where that is allowed."""
+    from torch.utils import cpp_extension  # noqa: PLC0415
+
+    if cpp_extension.CUDA_HOME is not None:
+        return [], [], True
+    rt = _cuda_runtime_from_wheels()
+    if rt is None:
+        raise RuntimeError("no CUDA installation (CUDA_HOME) and no CUDA runtime wheel found")
+    inc, lib, name = rt
+    torch_lib = os.path.join(os.path.dirname(cpp_extension.__file__), "..", "lib")
+    ldflags = [f"-L{lib}", f"-l:{name}", f"-Wl,-rpath,{lib}",
+               f"-L{os.path.realpath(torch_lib)}", "-lc10_cuda", "-ltorch_cuda"]
+    return [inc], ldflags, False
+
+
 def _build_here(build_dir, verbose=False):
     """Compile the extension into ``build_dir`` with ``torch.utils.cpp_extension.load``
     and write the ``built`` stamp. Runs in a child process (:func:`build_extension`):
@@ -336,17 +357,8 @@ def _build_here(build_dir, verbose=False):
     from torch.utils import cpp_extension  # noqa: PLC0415
 
     src, incs = _extension_sources()
-    ldflags = []
-    with_cuda = cpp_extension.CUDA_HOME is not None
-    if not with_cuda:
-        rt = _cuda_runtime_from_wheels()
-        if rt is None:
-            raise RuntimeError("no CUDA installation (CUDA_HOME) and no CUDA runtime wheel found")
-        inc, lib, name = rt
-        incs.append(inc)
-        torch_lib = os.path.join(os.path.dirname(cpp_extension.__file__), "..", "lib")
-        ldflags += [f"-L{lib}", f"-l:{name}", f"-Wl,-rpath,{lib}",
-                    f"-L{os.path.realpath(torch_lib)}", "-lc10_cuda", "-ltorch_cuda"]
+    cuda_incs, ldflags, with_cuda = cuda_build_flags()
+    incs += cuda_incs
     os.makedirs(build_dir, exist_ok=True)
     cpp_extension.load(
         name=_EXT_NAME,
