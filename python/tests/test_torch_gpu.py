@@ -580,3 +580,43 @@ def test_extension_history_completes_a_free_through_a_pools_own_allocator(libpat
     assert "alloc" in acts and "free_requested" in acts, acts
     assert "free_completed" in acts, acts
     assert acts.index("free_completed") > acts.index("free_requested"), acts
+
+
+def test_extension_delegation_hands_out_torchs_own_memory_and_takes_it_back(libpath):
+    """The extension's diagnostic delegation (scripts/torch-inproc-speed.py): while on, new
+    tensors and raw allocations come from torch's own caching allocator (stitch-alloc's
+    counts do not move) and go back to it when freed, with record_stream and empty_cache
+    forwarded; once off, allocations are stitch-alloc's again. No warning of a free of an
+    unknown pointer."""
+    res = run_torch(
+        libpath,
+        """
+        import warnings
+        ext = stitch_alloc.enable()
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            a0 = torch.cuda.memory_allocated()
+            ext._set_delegate(True)
+            x = torch.ones(1 << 20, device="cuda")
+            x.record_stream(torch.cuda.Stream())
+            r = torch.cuda.caching_allocator_alloc(1 << 20)
+            torch.cuda.caching_allocator_delete(r)
+            a1 = torch.cuda.memory_allocated()
+            ext._set_delegate(False)
+            z = torch.ones(1 << 20, device="cuda") * 2
+            a2 = torch.cuda.memory_allocated()
+            sums = [float(x.sum().item()), float(z.sum().item())]
+            del x
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            after = float((torch.ones(1 << 20, device="cuda") * 3).sum().item())
+        print("RESULT", json.dumps({"moved_while_delegating": a1 - a0,
+                                    "stitch_after": a2 - a0 >= 4 * 1048576,
+                                    "sums": sums, "after": after,
+                                    "warnings": [str(m.message) for m in w]}))
+        """,
+        ext=True,
+    )
+    assert res == {"moved_while_delegating": 0, "stitch_after": True,
+                   "sums": [float(1 << 20), float(2 << 20)], "after": float(3 << 20),
+                   "warnings": []}, res

@@ -202,6 +202,9 @@ class StitchAllocator final : public CCA::CUDAAllocator {
   // --- c10::Allocator ------------------------------------------------------------------
 
   c10::DataPtr allocate(size_t n) override {
+    if (delegate_.load(std::memory_order_relaxed)) {
+      return native_->allocate(n);
+    }
     DeviceIndex device = c10::cuda::current_device();
     cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
     return alloc_on(n, device, stream);
@@ -218,6 +221,9 @@ class StitchAllocator final : public CCA::CUDAAllocator {
   bool initialized() override { return initialized_.load(); }
 
   void emptyCache(MempoolId_t mempool_id) override {
+    if (delegated_.load()) {
+      native_->emptyCache(mempool_id);
+    }
     std::vector<Released> todo;
     {
       std::lock_guard<std::mutex> g(mu_);
@@ -235,6 +241,10 @@ class StitchAllocator final : public CCA::CUDAAllocator {
   void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override {
     void* p = ptr.get();
     if (p == nullptr) {
+      return;
+    }
+    if (ptr.get_deleter() != &deleter && delegated_.load()) {
+      native_->recordStream(ptr, stream);  // handed out while delegating
       return;
     }
     {
@@ -322,14 +332,23 @@ class StitchAllocator final : public CCA::CUDAAllocator {
   }
 
   void* raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) override {
+    if (delegate_.load(std::memory_order_relaxed)) {
+      return native_->raw_alloc_with_stream(nbytes, stream);
+    }
     DeviceIndex device = c10::cuda::current_device();
     c10::DataPtr p = alloc_on(nbytes, device, stream);
     return p.release_context();
   }
 
   void raw_delete(void* ptr) override {
-    TORCH_CHECK(free_ptr(ptr), "stitch-alloc: raw_delete of ", ptr,
-                ", which is not a live allocation");
+    if (free_ptr(ptr)) {
+      return;
+    }
+    if (delegated_.load()) {
+      native_->raw_delete(ptr);  // handed out while delegating (torch checks it is its own)
+      return;
+    }
+    TORCH_CHECK(false, "stitch-alloc: raw_delete of ", ptr, ", which is not a live allocation");
   }
 
   void init(int device_count) override {
@@ -606,12 +625,7 @@ class StitchAllocator final : public CCA::CUDAAllocator {
       TORCH_CHECK(native_ != nullptr,
                   "stitch-alloc: a CUDA IPC handle from torch's own allocator, and torch's "
                   "allocator was not kept to open it");
-      {
-        std::lock_guard<std::mutex> g(native_mu_);
-        if (!native_->initialized()) {
-          native_->init(static_cast<int>(c10::cuda::device_count()));
-        }
-      }
+      init_native();
       return native_->getIpcDevPtr(std::move(handle));
     }
     DeviceIndex device = c10::cuda::current_device();
@@ -639,6 +653,29 @@ class StitchAllocator final : public CCA::CUDAAllocator {
   // Torch's own allocator, kept when this one was installed: it opens IPC handles that
   // processes under torch's allocator send.
   void keep_native(CCA::CUDAAllocator* native) { native_ = native; }
+
+  // Torch's own allocator, initialised on first use (torch never initialises it when this
+  // one is installed first).
+  void init_native() {
+    std::lock_guard<std::mutex> g(native_mu_);
+    if (!native_->initialized()) {
+      native_->init(static_cast<int>(c10::cuda::device_count()));
+    }
+  }
+
+  // Delegation, a diagnostic for comparing the two allocators' speed in one process
+  // (scripts/torch-inproc-speed.py): while on, new allocations come from torch's
+  // own caching allocator; their DataPtrs carry its deleter, and raw_delete, recordStream
+  // and emptyCache hand it what is not this allocator's. Not for CUDA graphs, memory pools
+  // or IPC while on; statistics and snapshots describe this allocator only.
+  void set_delegate(bool on) {
+    TORCH_CHECK(native_ != nullptr, "stitch-alloc: torch's own allocator was not kept");
+    if (on) {
+      init_native();
+      delegated_.store(true);
+    }
+    delegate_.store(on);
+  }
 
   bool isHistoryEnabled() override {
     std::lock_guard<std::mutex> g(mu_);
@@ -1116,6 +1153,8 @@ class StitchAllocator final : public CCA::CUDAAllocator {
   std::deque<CDA::TraceEntry> trace_;
   CCA::CUDAAllocator* native_ = nullptr;  // torch's own (never destroyed: a static of torch)
   std::mutex native_mu_;                  // its lazy init
+  std::atomic<bool> delegate_{false};     // set_delegate: new allocations from native_
+  std::atomic<bool> delegated_{false};    // set_delegate(true) was ever called
 };
 
 // The installed allocator. Never destroyed (like the library's own state): tensors freed
@@ -1148,6 +1187,11 @@ bool installed() {
   return instance != nullptr && CCA::get() == instance;
 }
 
+void set_delegate(bool on) {
+  TORCH_CHECK(installed(), "stitch-alloc: the extension is not installed");
+  instance->set_delegate(on);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1155,4 +1199,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("install", &install, "Load libstitch_alloc.so from the path and install it");
   m.def("installed", &installed, "Whether this extension's allocator is torch's");
   m.def("name", []() { return std::string("stitch-alloc"); });
+  m.def("_set_delegate", &set_delegate,
+        "Diagnostics: new allocations from torch's own allocator while on (the in-process "
+        "speed comparison of scripts/torch-alloc-pair.py; not with graphs, pools or IPC)");
 }

@@ -1,0 +1,149 @@
+#!/usr/bin/env python3
+"""Step times of real workloads under PyTorch's own caching allocator and under
+stitch-alloc, alternating in **one process** (issue #11 item 4). Fresh-process comparisons
+cannot resolve 1% on the GPU machine: whole processes run at one of two CPU speeds, 20-130%
+apart under either allocator (design/gpu-results.md runs 52-60). Here the process, its
+model and its CUDA context are shared; only the allocator serving each step changes.
+
+How: ``stitch_alloc.enable`` installs the extension, which keeps torch's own allocator;
+the extension's diagnostic ``_set_delegate(True)`` makes new allocations come from torch's
+own allocator (their frees go back to it), ``False`` from stitch-alloc. Each round runs
+both sides in turn (the order alternates between rounds), each side 2 untimed steps (so
+that its cache holds the step's sizes) and then ``--steps`` timed ones, every step ended
+by a device synchronisation. Per round the speed of stitch-alloc against the default is
+the default's median step time over stitch-alloc's; the result is the median of the rounds
+and a 95% bootstrap interval over them.
+
+    python3 scripts/torch-inproc-speed.py --lib .gpu/libstitch_alloc.so --rounds 10
+
+Workloads (fixed shapes, models from configs with random weights): ``llm-train-s`` (the
+zoo's Llama 8x768, AdamW, bf16 autocast; batch 8 x 512), ``bert-encode`` (BERT-base fp16
+inference; batch 32 x 256). The model and the optimizer state are allocated once, by
+stitch-alloc, before the first round. Prints one ``RESULT {json}`` line and a table.
+"""
+import argparse
+import importlib.util
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def zoo_module():
+    spec = importlib.util.spec_from_file_location("torch_zoo", os.path.join(HERE, "torch-zoo.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def llm_train_s(torch, zoo):
+    model = zoo._llama(torch, 8, 768, torch.float32).train()
+    model.config.use_cache = False
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(3, 32000, (8, 512), device="cuda")
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        del out
+
+    return step
+
+
+def bert_encode(torch, zoo):
+    from transformers import BertConfig, BertModel
+
+    cfg = BertConfig(num_hidden_layers=12, hidden_size=768, num_attention_heads=12,
+                     intermediate_size=3072, max_position_embeddings=512)
+    with torch.device("cuda"):
+        model = BertModel(cfg).half().eval()
+    ids = torch.randint(100, cfg.vocab_size, (32, 256), device="cuda")
+    mask = torch.ones_like(ids)
+
+    def step():
+        with torch.inference_mode():
+            out = model(input_ids=ids, attention_mask=mask)
+            emb = out.last_hidden_state.mean(dim=1)
+            del out, emb
+
+    return step
+
+
+WORKLOADS = {"llm-train-s": llm_train_s, "bert-encode": bert_encode}
+
+
+def interval(ratios, resamples=4000, seed=0):
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    return meds[int(0.025 * resamples)], meds[int(0.975 * resamples) - 1]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--lib", required=True, help="libstitch_alloc.so")
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--steps", type=int, default=8, help="timed steps per side and round")
+    a = p.parse_args()
+    os.environ.setdefault("STITCH_ALLOC_CONF", "backend:cuda,log:error")
+    sys.path.insert(0, os.path.join(HERE, "..", "python"))
+    import stitch_alloc
+
+    ext = stitch_alloc.enable(path=os.path.abspath(a.lib), extension=True)
+    import torch
+
+    zoo = zoo_module()
+    torch.manual_seed(0)
+    results = {}
+    for name in a.workloads.split(","):
+        step = WORKLOADS[name](torch, zoo)
+        for _ in range(2):  # the model's first steps (lazy state, cuBLAS handles) on stitch-alloc
+            step()
+        torch.cuda.synchronize()
+        rounds = []
+        for r in range(a.rounds):
+            got = {}
+            for side in (("default", "stitch") if r % 2 == 0 else ("stitch", "default")):
+                ext._set_delegate(side == "default")
+                times = []
+                for i in range(2 + a.steps):
+                    t0 = time.perf_counter()
+                    step()
+                    torch.cuda.synchronize()
+                    if i >= 2:
+                        times.append(time.perf_counter() - t0)
+                got[side] = statistics.median(times)
+            ext._set_delegate(False)
+            rounds.append(got)
+            print(f"{name} round {r + 1}: default {got['default'] * 1e3:.2f} ms, "
+                  f"stitch-alloc {got['stitch'] * 1e3:.2f} ms per step", flush=True)
+        speed = [x["default"] / x["stitch"] for x in rounds]
+        lo, hi = interval(speed)
+        results[name] = {"rounds": rounds, "speed_median": statistics.median(speed),
+                         "speed_interval_95": [lo, hi],
+                         "default_median_ms": 1e3 * statistics.median(x["default"] for x in rounds),
+                         "stitch_median_ms": 1e3 * statistics.median(x["stitch"] for x in rounds)}
+        del step
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    meta = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+            "rounds": a.rounds, "steps": a.steps}
+    print("RESULT " + json.dumps({"meta": meta, "workloads": results}))
+    print("\n| workload | default, median step | stitch-alloc, median step | speed vs default, "
+          "median of rounds | 95% interval |")
+    print("|---|---|---|---|---|")
+    for name, r in results.items():
+        lo, hi = r["speed_interval_95"]
+        print(f"| {name} | {r['default_median_ms']:.2f} ms | {r['stitch_median_ms']:.2f} ms | "
+              f"{r['speed_median']:.4f} | {lo:.4f}-{hi:.4f} |")
+
+
+if __name__ == "__main__":
+    main()
