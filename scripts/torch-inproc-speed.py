@@ -18,7 +18,8 @@ and a 95% bootstrap interval over them.
 
 Workloads (fixed shapes, models from configs with random weights): ``llm-train-s`` (the
 zoo's Llama 8x768, AdamW, bf16 autocast; batch 8 x 512), ``bert-encode`` (BERT-base fp16
-inference; batch 32 x 256). The model and the optimizer state are allocated once, by
+inference; batch 32 x 256), ``resnet50-amp`` and ``vit-amp`` (timm training with AMP, SGD;
+batch 64 and 32 of 224^2 images). The model and the optimizer state are allocated once, by
 stitch-alloc, before the first round. Prints one ``RESULT {json}`` line and a table.
 """
 import argparse
@@ -76,7 +77,33 @@ def bert_encode(torch, zoo):
     return step
 
 
-WORKLOADS = {"llm-train-s": llm_train_s, "bert-encode": bert_encode}
+def timm_amp(name, batch):
+    def build(torch, zoo):
+        import timm
+
+        torch.backends.cudnn.benchmark = False  # the same kernels under either allocator
+        model = timm.create_model(name, pretrained=False, num_classes=1000).cuda().train()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        scaler = torch.amp.GradScaler("cuda")
+        x = torch.randn(batch, 3, 224, 224, device="cuda")
+        y = torch.randint(0, 1000, (batch,), device="cuda")
+
+        def step():
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            del loss
+
+        return step
+
+    return build
+
+
+WORKLOADS = {"llm-train-s": llm_train_s, "bert-encode": bert_encode,
+             "resnet50-amp": timm_amp("resnet50", 64), "vit-amp": timm_amp("vit_base_patch16_224", 32)}
 
 
 def interval(ratios, resamples=4000, seed=0):
