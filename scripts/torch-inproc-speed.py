@@ -106,6 +106,17 @@ WORKLOADS = {"llm-train-s": llm_train_s, "bert-encode": bert_encode,
              "resnet50-amp": timm_amp("resnet50", 64), "vit-amp": timm_amp("vit_base_patch16_224", 32)}
 
 
+def counters(stitch_alloc):
+    """stitch-alloc's own counters on device 0: driver time and malloc + free time (us),
+    event waits and slow-path allocations, cumulative."""
+    doc = stitch_alloc.stats(0)
+    st = doc.get("stats", {})
+    return {"driver_us": float(doc.get("driver_time_us", 0)),
+            "api_us": float(doc.get("malloc_free_time_us", 0)),
+            "event_waits": float(st.get("event_waits", 0)),
+            "slow_allocs": float(st.get("slow_allocs", 0))}
+
+
 def interval(ratios, resamples=4000, seed=0):
     rng = random.Random(seed)
     meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
@@ -139,14 +150,23 @@ def main():
             got = {}
             for side in (("default", "stitch") if r % 2 == 0 else ("stitch", "default")):
                 ext._set_delegate(side == "default")
-                times = []
+                times, gpu = [], []
                 for i in range(2 + a.steps):
+                    if i == 2:
+                        before = counters(stitch_alloc)
+                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     t0 = time.perf_counter()
+                    e0.record()
                     step()
+                    e1.record()
                     torch.cuda.synchronize()
                     if i >= 2:
                         times.append(time.perf_counter() - t0)
+                        gpu.append(e0.elapsed_time(e1) / 1e3)
+                after = counters(stitch_alloc)
                 got[side] = statistics.median(times)
+                got[side + "_gpu"] = statistics.median(gpu)
+                got[side + "_stats"] = {k: (after[k] - before[k]) / a.steps for k in after}
             ext._set_delegate(False)
             rounds.append(got)
             print(f"{name} round {r + 1}: default {got['default'] * 1e3:.2f} ms, "
@@ -156,7 +176,15 @@ def main():
         results[name] = {"rounds": rounds, "speed_median": statistics.median(speed),
                          "speed_interval_95": [lo, hi],
                          "default_median_ms": 1e3 * statistics.median(x["default"] for x in rounds),
-                         "stitch_median_ms": 1e3 * statistics.median(x["stitch"] for x in rounds)}
+                         "stitch_median_ms": 1e3 * statistics.median(x["stitch"] for x in rounds),
+                         "gpu_median_ms": {k: 1e3 * statistics.median(x[k + "_gpu"] for x in rounds)
+                                           for k in ("default", "stitch")},
+                         "stitch_side_per_step": {
+                             k: statistics.median(x["stitch_stats"][k] for x in rounds)
+                             for k in rounds[0]["stitch_stats"]},
+                         "default_side_per_step": {
+                             k: statistics.median(x["default_stats"][k] for x in rounds)
+                             for k in rounds[0]["default_stats"]}}
         del step
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -170,6 +198,15 @@ def main():
         lo, hi = r["speed_interval_95"]
         print(f"| {name} | {r['default_median_ms']:.2f} ms | {r['stitch_median_ms']:.2f} ms | "
               f"{r['speed_median']:.4f} | {lo:.4f}-{hi:.4f} |")
+    print("\n| workload | GPU time per step (CUDA events), default / stitch-alloc | stitch-alloc's "
+          "counters per step on its side (driver us, malloc+free us, event waits, slow allocs) "
+          "| the same on the default's side |")
+    print("|---|---|---|---|")
+    for name, r in results.items():
+        g, st, df = r["gpu_median_ms"], r["stitch_side_per_step"], r["default_side_per_step"]
+        cells = lambda c: ", ".join(f"{c[k]:.1f}" for k in ("driver_us", "api_us", "event_waits",
+                                                             "slow_allocs"))
+        print(f"| {name} | {g['default']:.2f} / {g['stitch']:.2f} ms | {cells(st)} | {cells(df)} |")
 
 
 if __name__ == "__main__":

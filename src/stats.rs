@@ -151,6 +151,11 @@ pub struct Stats {
     /// `requested.peak`, never reset ([`Stats::reset_peaks`]), so the growth budget does not
     /// change when a program resets its peak statistics.
     pub requested_lifetime_peak: u64,
+    /// Bytes the growth budget allows above the peak of live bytes because stitches of one
+    /// request size repeated with no new peak in between (a fixed-shape loop stitching every
+    /// step), at most 1% of the peak; 0 until then. Like `requested_lifetime_peak`, never
+    /// reset.
+    pub repeat_allowance: u64,
 }
 
 impl Stats {

@@ -32,6 +32,7 @@ mod handles;
 mod maintenance;
 mod placement;
 mod policy;
+mod repeats;
 mod report;
 mod share;
 mod single;
@@ -88,6 +89,8 @@ pub(crate) struct Engine {
     va: VaSpace,
     /// What to do when nothing fits.
     policy: Box<dyn GrowthPolicy>,
+    /// Recent stitches, for `Stats::repeat_allowance`.
+    repeats: repeats::Repeats,
     /// Counters; `requested`, `allocated`, `live_allocations`, `pending_free`, `reserved`,
     /// `mapped` and `handles` always equal what the structures hold.
     pub(crate) stats: Stats,
@@ -112,6 +115,7 @@ impl Engine {
             ghosts: Ghosts::default(),
             va: VaSpace::default(),
             policy: Box::new(StitchPolicy),
+            repeats: repeats::Repeats::default(),
             stats: Stats::default(),
             shut_down: false,
             reserved_ceiling: 0,
@@ -312,7 +316,15 @@ impl Engine {
             stream_owner: self.fences.owner_index(stream),
         };
         let plan = self.policy.plan(&ctx, pool, rsize);
-        self.apply(d, plan)
+        let stitches = self.stats.stitches;
+        let r = self.apply(d, plan)?;
+        if self.stats.stitches > stitches {
+            let s = &mut self.stats;
+            s.repeat_allowance =
+                self.repeats
+                    .on_stitch(rsize, s.requested_lifetime_peak, s.repeat_allowance);
+        }
+        Ok(r)
     }
 
     /// The slow path: poll, plan and grow, or ask the caller to wait. `(overfit, rounds)`:

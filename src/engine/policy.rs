@@ -205,16 +205,18 @@ fn choose_among(mut cands: Vec<Candidate>, need: u64) -> Vec<Candidate> {
 pub(crate) struct StitchPolicy;
 
 impl GrowthPolicy for StitchPolicy {
-    /// Within the capacity and `L + max(reserve_slack * L, reserve_slack_min)` where
-    /// `L = max(peak live, live + size)`.
+    /// Within the capacity and `L + max(reserve_slack * L, reserve_slack_min,
+    /// repeat_allowance)` where `L = max(peak live, live + size)` (`repeats`).
     fn may_create(&self, cfg: &Resolved, stats: &Stats, size: u64) -> bool {
         let need = round_up(size, cfg.granularity);
         let after = stats.reserved.current + need;
         let live = stats
             .requested_lifetime_peak
             .max(stats.requested.current + size);
-        let slack = (live as f64 * cfg.reserve_slack) as u64;
-        after <= cfg.capacity && after <= live + slack.max(cfg.reserve_slack_min)
+        let slack = ((live as f64 * cfg.reserve_slack) as u64)
+            .max(cfg.reserve_slack_min)
+            .max(stats.repeat_allowance);
+        after <= cfg.capacity && after <= live + slack
     }
 
     fn plan(&self, ctx: &PlanContext<'_>, pool: Pool, rsize: u64) -> Plan {
