@@ -89,7 +89,7 @@ pub(crate) struct Engine {
     va: VaSpace,
     /// What to do when nothing fits.
     policy: Box<dyn GrowthPolicy>,
-    /// Recent stitches, for `Stats::repeat_allowance`.
+    /// The last stitch and its streak of repeats, for `Stats::repeat_allowance`.
     repeats: repeats::Repeats,
     /// Counters; `requested`, `allocated`, `live_allocations`, `pending_free`, `reserved`,
     /// `mapped` and `handles` always equal what the structures hold.
