@@ -42,29 +42,17 @@ def zoo_module():
 
 
 def llm_train_s(torch, zoo):
-    model = zoo._llama(torch, 8, 768, torch.float32).train()
-    model.config.use_cache = False
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, opt = zoo.llm_model(torch, 8, 768)
     ids = torch.randint(3, 32000, (8, 512), device="cuda")
 
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = model(input_ids=ids, labels=ids)
-        out.loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        del out
+        zoo.llm_step(torch, model, opt, ids)  # its output is dropped here, as `del out` did
 
     return step
 
 
 def bert_encode(torch, zoo):
-    from transformers import BertConfig, BertModel
-
-    cfg = BertConfig(num_hidden_layers=12, hidden_size=768, num_attention_heads=12,
-                     intermediate_size=3072, max_position_embeddings=512)
-    with torch.device("cuda"):
-        model = BertModel(cfg).half().eval()
+    model, cfg = zoo.bert_model(torch, 12)
     ids = torch.randint(100, cfg.vocab_size, (32, 256), device="cuda")
     mask = torch.ones_like(ids)
 
@@ -79,23 +67,12 @@ def bert_encode(torch, zoo):
 
 def timm_amp(name, batch):
     def build(torch, zoo):
-        import timm
-
-        torch.backends.cudnn.benchmark = False  # the same kernels under either allocator
-        model = timm.create_model(name, pretrained=False, num_classes=1000).cuda().train()
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        scaler = torch.amp.GradScaler("cuda")
+        model, opt, scaler = zoo.timm_model(torch, name)
         x = torch.randn(batch, 3, 224, 224, device="cuda")
         y = torch.randint(0, 1000, (batch,), device="cuda")
 
         def step():
-            with torch.autocast("cuda", dtype=torch.float16):
-                loss = torch.nn.functional.cross_entropy(model(x), y)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad(set_to_none=True)
-            del loss
+            zoo.timm_step(torch, model, opt, scaler, x, y)
 
         return step
 

@@ -96,22 +96,33 @@ def abi_times():
     return int(doc.get("driver_time_us", 0)), int(doc.get("malloc_free_time_us", 0))
 
 
-def _train_llm(torch, rng, steps, layers, hidden, max_batch, max_seq, ckpt=False):
+def llm_model(torch, layers, hidden, ckpt=False):
+    """A Llama of `layers` x `hidden` for training (fp32 weights) and its AdamW."""
     model = _llama(torch, layers, hidden, torch.float32).train()
     model.config.use_cache = False
     if ckpt:
         model.gradient_checkpointing_enable()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def llm_step(torch, model, opt, ids):
+    """One bf16-autocast training step on token ids `ids`; returns the model's output."""
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return out
+
+
+def _train_llm(torch, rng, steps, layers, hidden, max_batch, max_seq, ckpt=False):
+    model, opt = llm_model(torch, layers, hidden, ckpt)
     losses, step_seconds, step_driver, step_api = [], [], [], []
     for _ in range(steps):
         t0 = time.perf_counter()
         b, s = rng.randint(1, max_batch), rng.randint(64, max_seq)
         ids = torch.randint(3, 32000, (b, s), device="cuda")
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = model(input_ids=ids, labels=ids)
-        out.loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        out = llm_step(torch, model, opt, ids)
         losses.append(round(out.loss.detach().float().item(), 4))  # synchronises
         step_seconds.append(time.perf_counter() - t0)
         d_us, a_us = abi_times()
@@ -172,13 +183,18 @@ def w_lora(torch, rng, quick):
     return {"losses": losses, "_keep": (model, opt)}
 
 
-def w_bert_encode(torch, rng, quick):
+def bert_model(torch, layers):
+    """A BERT-base encoder of `layers` layers, fp16, for inference, and its config."""
     from transformers import BertConfig, BertModel
 
-    cfg = BertConfig(num_hidden_layers=2 if quick else 12, hidden_size=768,
+    cfg = BertConfig(num_hidden_layers=layers, hidden_size=768,
                      num_attention_heads=12, intermediate_size=3072, max_position_embeddings=512)
     with torch.device("cuda"):
-        model = BertModel(cfg).half().eval()
+        return BertModel(cfg).half().eval(), cfg
+
+
+def w_bert_encode(torch, rng, quick):
+    model, cfg = bert_model(torch, 2 if quick else 12)
     n, step_seconds, step_driver, step_api = 0, [], [], []
     with torch.inference_mode():
         for _ in range(8 if quick else 40):
@@ -198,24 +214,36 @@ def w_bert_encode(torch, rng, quick):
             "step_api_us": step_api, "_keep": model}
 
 
-def _train_timm(torch, rng, name, steps, lo, hi):
+def timm_model(torch, name):
+    """timm model `name` for training (cuDNN benchmark off: the same kernels under every
+    allocator), its SGD and its AMP gradient scaler."""
     import timm
 
-    torch.backends.cudnn.benchmark = False  # the same kernels under every allocator
+    torch.backends.cudnn.benchmark = False
     model = timm.create_model(name, pretrained=False, num_classes=1000).cuda().train()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    scaler = torch.amp.GradScaler("cuda")
+    return model, opt, torch.amp.GradScaler("cuda")
+
+
+def timm_step(torch, model, opt, scaler, x, y):
+    """One fp16-autocast training step on images `x`, labels `y`; returns the loss."""
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
+def _train_timm(torch, rng, name, steps, lo, hi):
+    model, opt, scaler = timm_model(torch, name)
     losses = []
     for _ in range(steps):
         b = rng.randint(lo, hi)
         x = torch.randn(b, 3, 224, 224, device="cuda")
         y = torch.randint(0, 1000, (b,), device="cuda")
-        with torch.autocast("cuda", dtype=torch.float16):
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
+        loss = timm_step(torch, model, opt, scaler, x, y)
         losses.append(round(loss.detach().float().item(), 4))
         del x, y, loss
     return {"losses": losses, "_keep": (model, opt)}

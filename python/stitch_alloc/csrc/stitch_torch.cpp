@@ -1201,5 +1201,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("name", []() { return std::string("stitch-alloc"); });
   m.def("_set_delegate", &set_delegate,
         "Diagnostics: new allocations from torch's own allocator while on (the in-process "
-        "speed comparison of scripts/torch-alloc-pair.py; not with graphs, pools or IPC)");
+        "speed comparison of scripts/torch-inproc-speed.py; not with graphs, pools or IPC)");
 }
