@@ -13,9 +13,11 @@ behind in partly used pages when nothing else costs anything.
 Policies: ``best`` (smallest free range that fits, at its start), ``first`` (lowest
 address that fits), ``best-end`` (smallest fit, at its end), ``fewest-pages`` (among the 64
 smallest fits, the place at either end that touches the fewest pages no live allocation
-touches yet). Traces: stitch's text format (``a <id> <bytes> [stream]`` /
-``f <id> [bytes] [stream]``), optionally gzipped, as ``stitch gen`` writes them.
-Needs ``sortedcontainers``.
+touches yet). ``--small-apart BYTES`` keeps requests of at most BYTES in an address space of
+their own (as stitch-alloc's small-block pages do). Traces: stitch's text format (``a <id>
+<bytes> [stream]`` / ``f <id> [bytes] [stream]``), optionally gzipped, as ``stitch gen``
+writes them; a PyTorch snapshot converts with ``cargo run --release --example
+trace_to_text -- SNAPSHOT OUT.trace.gz``. Needs ``sortedcontainers``.
 """
 import argparse
 import gzip
@@ -94,8 +96,13 @@ def place(space, policy, n, touched):
     return None, space.top
 
 
-def bound(path, policy):
-    space = Space()
+SMALL_BASE = 1 << 50  # the small requests' address space, far above the large one
+
+
+def bound(path, policy, small_apart=0):
+    large = Space()
+    small = Space()
+    small.top = SMALL_BASE
     live = {}
     touched = {}  # page -> live allocations touching it
     cur = peak_live = pages = peak_pages = 0
@@ -108,6 +115,7 @@ def bound(path, policy):
             if p[0] == "a":
                 size = int(p[2])
                 n = max(UNIT, -(-size // UNIT) * UNIT)
+                space = small if size <= small_apart else large
                 rng, at = place(space, policy, n, touched)
                 space.take(rng, at, n)
                 live[p[1]] = (at, n, size)
@@ -128,7 +136,7 @@ def bound(path, policy):
                         pages -= 1
                     else:
                         touched[pg] = c
-                space.add(at, n)
+                (small if at >= SMALL_BASE else large).add(at, n)
     return peak_pages * PAGE / peak_live
 
 
@@ -136,9 +144,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("policy", choices=["best", "first", "best-end", "fewest-pages"])
     ap.add_argument("traces", nargs="+")
+    ap.add_argument("--small-apart", type=int, default=0, metavar="BYTES",
+                    help="requests of at most BYTES in an address space of their own")
     a = ap.parse_args()
     for t in a.traces:
-        print(f"{t}\t{a.policy}\t{bound(t, a.policy):.4f}")
+        print(f"{t}\t{a.policy}\t{bound(t, a.policy, a.small_apart):.4f}")
 
 
 if __name__ == "__main__":
