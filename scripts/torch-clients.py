@@ -19,9 +19,13 @@ Two kinds of check:
   changes the result" from "the default does not reproduce itself either".
   Operations torch flags as nondeterministic during the run are reported.
 * ``spread`` (AMP / bf16, ``cudnn.benchmark=True``: kernel choices and near-ties may vary
-  between runs whatever the allocator): the default runs twice; the spread is the distance
-  between its two runs (max |loss difference|, or the number of differing tokens), and
-  stitch-alloc passes when its distance to the nearer default run is within that spread.
+  between runs whatever the allocator): the default runs ``--default-runs`` times (4; at
+  least 2), before and after stitch-alloc's run; the spread is the largest distance between
+  two of its runs (max |loss difference|, or the number of differing tokens), and
+  stitch-alloc passes when its distance to the nearest default run is within that spread.
+  (With two default runs the estimate was too narrow: run 76-77 of design/gpu-results.md
+  saw the default's own distance on fp16 ResNet-50 range 1.2e-4 to 3.7e-4 between pairs,
+  so one pair failed a run that a second pair passed.)
 
 Per case and allocator: the result, peak reserved / peak requested bytes (from
 ``torch.cuda.memory_stats()`` under the default and the extension; from
@@ -34,7 +38,7 @@ timing out does not stop the others. Run on the GPU machine from the repository 
     python3 scripts/torch-clients.py --cases hf_generate,lora   # a subset
     python3 scripts/torch-clients.py --list                      # the cases; needs no torch
 
-The whole run takes about 6-8 minutes on the H200 (the two torch.compile runs compile cold:
+The whole run takes about 8-10 minutes on the H200 (the two torch.compile runs compile cold:
 each child gets its own empty inductor and Triton cache, so the two allocators' wall
 times compare).
 """
@@ -481,15 +485,17 @@ def judge(name, runs, lib, timeout):
         self_same = d2["ok"] and same(d2, d, keys)
         return ("FAIL (differs; default reproduces itself)" if self_same
                 else "FAIL (differs; default differs from itself too)"), f"distance {diff}"
-    # spread
+    # spread: the largest distance between two default runs, against stitch-alloc's distance
+    # to the nearest one
     k = keys[0]
-    d2 = ds[1] if len(ds) > 1 else None
-    if d2 is None or not d2["ok"]:
-        return "FAIL (second default run failed)", "default 2: " + (d2 or {}).get("detail", "-")
-    spread = distance(d[k], d2[k])
-    dev = min(distance(s[k], d[k]), distance(s[k], d2[k]))
+    bad = [i + 1 for i, x in enumerate(ds) if not x["ok"]]
+    if len(ds) < 2 or bad:
+        return "FAIL (a default run failed)", f"default runs {bad or 'missing'} failed"
+    spread = max(distance(x[k], y[k]) for i, x in enumerate(ds) for y in ds[i + 1:])
+    dev = min(distance(s[k], x[k]) for x in ds)
     verdict = "PASS (within default's spread)" if dev <= spread else "FAIL (outside default's spread)"
-    return verdict, f"{k}: stitch vs nearer default {dev:.6g}, default vs default {spread:.6g}"
+    return verdict, (f"{k}: stitch vs nearest of {len(ds)} default runs {dev:.6g}, "
+                     f"largest default vs default {spread:.6g}")
 
 
 def _mem(r):
@@ -514,7 +520,12 @@ def main():
                    help="seconds per case and allocator (default: each case's own)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--list", action="store_true", help="print the cases and exit")
+    p.add_argument("--default-runs", type=int, default=4,
+                   help="default runs of a spread case (at least 2): their largest distance "
+                        "is the spread stitch-alloc must stay within")
     a = p.parse_args()
+    if a.default_runs < 2:
+        p.error("--default-runs must be at least 2")
     if a.list:
         for n, c in CASES.items():
             print(f"{n:17} {c['kind']:6} {c['what']}")
@@ -544,11 +555,12 @@ def main():
     for name in cases:
         case = CASES[name]
         timeout = a.timeout or case["timeout"]
-        # Interleaved: default, stitch-alloc, then default again for the spread cases.
+        # Interleaved: default, stitch-alloc, then the spread cases' other default runs.
         runs = {"default": [run_case(name, False, lib, timeout)]}
         runs["stitch"] = run_case(name, True, lib, timeout)
         if case["kind"] == "spread":
-            runs["default"].append(run_case(name, False, lib, timeout))
+            for _ in range(a.default_runs - 1):
+                runs["default"].append(run_case(name, False, lib, timeout))
         verdict, why = judge(name, runs, lib, timeout)
         d, s = runs["default"][0], runs["stitch"]
         nondet = sorted(set(d.get("nondeterministic", []) + s.get("nondeterministic", [])))
