@@ -17,7 +17,8 @@ and a 95% bootstrap interval over them.
     python3 scripts/torch-inproc-speed.py --lib .gpu/libstitch_alloc.so --rounds 10
 
 Workloads (fixed shapes, models from configs with random weights): ``llm-train-s`` (the
-zoo's Llama 8x768, AdamW, bf16 autocast; batch 8 x 512), ``bert-encode`` (BERT-base fp16
+zoo's Llama 8x768, AdamW, bf16 autocast; batch 8 x 512; ``llm-train-s-b2`` and ``-b32`` at
+batch 2 and 32, on request), ``bert-encode`` (BERT-base fp16
 inference; batch 32 x 256), ``resnet50-amp`` and ``vit-amp`` (timm training with AMP, SGD;
 batch 64 and 32 of 224^2 images). The model and the optimizer state are allocated once, by
 stitch-alloc, before the first round. Prints one ``RESULT {json}`` line and a table.
@@ -41,14 +42,17 @@ def zoo_module():
     return mod
 
 
-def llm_train_s(torch, zoo):
-    model, opt = zoo.llm_model(torch, 8, 768)
-    ids = torch.randint(3, 32000, (8, 512), device="cuda")
+def llm_train(batch):
+    def build(torch, zoo):
+        model, opt = zoo.llm_model(torch, 8, 768)
+        ids = torch.randint(3, 32000, (batch, 512), device="cuda")
 
-    def step():
-        zoo.llm_step(torch, model, opt, ids)  # its output is dropped here, as `del out` did
+        def step():
+            zoo.llm_step(torch, model, opt, ids)  # its output is dropped, as `del out` did
 
-    return step
+        return step
+
+    return build
 
 
 def bert_encode(torch, zoo):
@@ -79,8 +83,12 @@ def timm_amp(name, batch):
     return build
 
 
-WORKLOADS = {"llm-train-s": llm_train_s, "bert-encode": bert_encode,
+WORKLOADS = {"llm-train-s": llm_train(8), "bert-encode": bert_encode,
              "resnet50-amp": timm_amp("resnet50", 64), "vit-amp": timm_amp("vit_base_patch16_224", 32)}
+# The same model at a quarter and four times the batch (not in the default list): about the
+# same allocations per step for a quarter and four times the GPU work, so a cost per
+# allocation on the CPU weighs four times more, or a quarter as much, than at batch 8.
+VARIANTS = {"llm-train-s-b2": llm_train(2), "llm-train-s-b32": llm_train(32)}
 
 
 def counters(stitch_alloc):
@@ -103,7 +111,8 @@ def interval(ratios, resamples=4000, seed=0):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lib", required=True, help="libstitch_alloc.so")
-    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--workloads", default=",".join(WORKLOADS),
+                   help=f"comma-separated; also {', '.join(VARIANTS)}")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--steps", type=int, default=8, help="timed steps per side and round")
     a = p.parse_args()
@@ -118,7 +127,7 @@ def main():
     torch.manual_seed(0)
     results = {}
     for name in a.workloads.split(","):
-        step = WORKLOADS[name](torch, zoo)
+        step = {**WORKLOADS, **VARIANTS}[name](torch, zoo)
         for _ in range(2):  # the model's first steps (lazy state, cuBLAS handles) on stitch-alloc
             step()
         torch.cuda.synchronize()

@@ -1,0 +1,51 @@
+#!/usr/bin/env python3
+"""Record PyTorch default's allocation history of llm-train-s at one fixed batch (the model
+and step of scripts/torch-zoo.py and scripts/torch-inproc-speed.py) as a snapshot that
+`stitch replay` reads, to study on the simulator a fixed-shape loop seen on the GPU.
+
+    python3 scripts/record-fixed-llm.py --batch 2 --steps 14 --out llm-train-s-b2.pickle.gz
+
+Run 84 (design/gpu-results.md): at batch 2, stitch-alloc called the driver in every step.
+"""
+import argparse
+import gzip
+import importlib.util
+import os
+import pickle
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--steps", type=int, default=14)
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    import torch
+
+    spec = importlib.util.spec_from_file_location("torch_zoo", os.path.join(HERE, "torch-zoo.py"))
+    zoo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(zoo)
+    torch.manual_seed(0)
+    torch.cuda.memory._record_memory_history(max_entries=10_000_000, stacks="python")
+    model, opt = zoo.llm_model(torch, 8, 768)
+    ids = torch.randint(3, 32000, (a.batch, a.seq), device="cuda")
+    for _ in range(a.steps):
+        zoo.llm_step(torch, model, opt, ids)
+    torch.cuda.synchronize()
+    snap = torch.cuda.memory._snapshot()
+    for s in snap["segments"]:  # stacks are not needed by the replay and are most of the size
+        for b in s.get("blocks", []):
+            b.pop("frames", None)
+    for trace in snap["device_traces"]:
+        for e in trace:
+            e.pop("frames", None)
+    with gzip.open(a.out, "wb") as f:
+        pickle.dump(snap, f)
+    print(f"wrote {a.out}: {sum(len(t) for t in snap['device_traces'])} trace entries")
+
+
+if __name__ == "__main__":
+    main()
