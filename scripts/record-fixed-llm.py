@@ -9,11 +9,12 @@ Run 84 (design/gpu-results.md): at batch 2, stitch-alloc called the driver in ev
 """
 import argparse
 import gzip
-import importlib.util
 import os
 import pickle
+import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from torchcases import zoo_module  # noqa: E402
 
 
 def main():
@@ -25,9 +26,7 @@ def main():
     a = p.parse_args()
     import torch
 
-    spec = importlib.util.spec_from_file_location("torch_zoo", os.path.join(HERE, "torch-zoo.py"))
-    zoo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(zoo)
+    zoo = zoo_module()
     torch.manual_seed(0)
     torch.cuda.memory._record_memory_history(max_entries=10_000_000, stacks="python")
     model, opt = zoo.llm_model(torch, 8, 768)

@@ -24,7 +24,6 @@ batch 64 and 32 of 224^2 images). The model and the optimizer state are allocate
 stitch-alloc, before the first round. Prints one ``RESULT {json}`` line and a table.
 """
 import argparse
-import importlib.util
 import json
 import os
 import random
@@ -33,13 +32,8 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def zoo_module():
-    spec = importlib.util.spec_from_file_location("torch_zoo", os.path.join(HERE, "torch-zoo.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+sys.path.insert(0, HERE)
+from torchcases import zoo_module  # noqa: E402
 
 
 def llm_train(batch):

@@ -1,6 +1,8 @@
 """What the torch scripts share: building the C++ extension once, in a child process,
 before their cases run (so that no case's timeout includes the build and the parent never
-initialises CUDA), reading the mode a child reported, and the commit the results belong to."""
+initialises CUDA), reading the mode a child reported, the commit the results belong to, and
+scripts/torch-zoo.py's model and step helpers as a module."""
+import importlib.util
 import os
 import subprocess
 import sys
@@ -48,3 +50,13 @@ def bundle_commit(repo):
     except OSError:
         return None
     return head or None
+
+
+def zoo_module():
+    """scripts/torch-zoo.py as a module (its file name is not an importable name): the zoo's
+    model and step helpers (`llm_model`, `llm_step`, `bert_model`, `timm_model`, ...)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    spec = importlib.util.spec_from_file_location("torch_zoo", os.path.join(here, "torch-zoo.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
