@@ -28,19 +28,15 @@ def main():
 
     zoo = zoo_module()
     torch.manual_seed(0)
-    torch.cuda.memory._record_memory_history(max_entries=10_000_000, stacks="python")
+    # As scripts/torch-zoo.py --record: no stacks (the replay does not read them).
+    torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
+                                             max_entries=20_000_000)
     model, opt = zoo.llm_model(torch, 8, 768)
     ids = torch.randint(3, 32000, (a.batch, a.seq), device="cuda")
     for _ in range(a.steps):
         zoo.llm_step(torch, model, opt, ids)
     torch.cuda.synchronize()
     snap = torch.cuda.memory._snapshot()
-    for s in snap["segments"]:  # stacks are not needed by the replay and are most of the size
-        for b in s.get("blocks", []):
-            b.pop("frames", None)
-    for trace in snap["device_traces"]:
-        for e in trace:
-            e.pop("frames", None)
     with gzip.open(a.out, "wb") as f:
         pickle.dump(snap, f)
     print(f"wrote {a.out}: {sum(len(t) for t in snap['device_traces'])} trace entries")
