@@ -109,12 +109,15 @@ def main():
                    help=f"comma-separated; also {', '.join(VARIANTS)}")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--steps", type=int, default=8, help="timed steps per side and round")
+    p.add_argument("--conf", default=None,
+                   help="stitch-alloc's configuration (STITCH_ALLOC_CONF syntax), e.g. "
+                        "prealloc:2400MiB")
     a = p.parse_args()
     os.environ.setdefault("STITCH_ALLOC_CONF", "backend:cuda,log:error")
     sys.path.insert(0, os.path.join(HERE, "..", "python"))
     import stitch_alloc
 
-    ext = stitch_alloc.enable(path=os.path.abspath(a.lib), extension=True)
+    ext = stitch_alloc.enable(path=os.path.abspath(a.lib), conf=a.conf, extension=True)
     import torch
 
     zoo = zoo_module()
@@ -169,7 +172,7 @@ def main():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
     meta = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-            "rounds": a.rounds, "steps": a.steps}
+            "rounds": a.rounds, "steps": a.steps, "conf": a.conf}
     print("RESULT " + json.dumps({"meta": meta, "workloads": results}))
     print("\n| workload | default, median step | stitch-alloc, median step | speed vs default, "
           "median of rounds | 95% interval |")

@@ -3,8 +3,9 @@
 // less memory); PyTorch's allocator serves large tensors from cudaMalloc'd segments. If
 // the GPU's address translation covers fewer bytes per entry for small handles, kernels
 // over the same bytes run slower. This times two kernels over one 8 GiB buffer laid out
-// five ways: cudaMalloc; one VMM handle; VMM handles of 64, 8 and 2 MiB mapped side by side
-// in creation order; and 2 MiB handles mapped in reverse creation order. Kernels: a random
+// six ways: cudaMalloc; one VMM handle; VMM handles of 64, 8 and 2 MiB mapped side by side
+// in creation order; 2 MiB handles mapped in reverse creation order; and cudaMalloc again
+// (the first layout repeated last, against drift over the run). Kernels: a random
 // gather (4-byte reads at hashed offsets over the whole buffer: the worst case for address
 // translation) and a streaming read (coalesced, every byte once). Median of 7 timed runs
 // (CUDA events) after one warm-up, in milliseconds. Build and run on the GPU machine:
@@ -90,27 +91,33 @@ static void vmm(const char* label, size_t h, bool reverse, unsigned* out) {
     for (auto x : hs) CK(cuMemRelease(x));
 }
 
-int main() {
-    init_device();
-    cudaSetDevice(0);
-    unsigned* out;
-    cudaMalloc(&out, 132 * 16 * 256 * sizeof(unsigned));
+// A cudaMalloc'd 8 GiB buffer timed under `name`, then freed; false if it cannot be had.
+static bool timed_cuda_malloc(const char* name, unsigned* out) {
     void* p = nullptr;
     if (cudaMalloc(&p, S) != cudaSuccess) {
         std::printf("cudaMalloc of %zu bytes failed\n", S);
+        return false;
+    }
+    run(name, (CUdeviceptr)p, out);
+    cudaFree(p);
+    return true;
+}
+
+int main() {
+    init_device();
+    cudaSetDevice(0);
+    unsigned* out = nullptr;
+    if (cudaMalloc(&out, 132 * 16 * 256 * sizeof(unsigned)) != cudaSuccess) {
+        std::printf("cudaMalloc of the output buffer failed\n");
         return 1;
     }
-    run("cudaMalloc", (CUdeviceptr)p, out);
-    cudaFree(p);
+    if (!timed_cuda_malloc("cudaMalloc", out)) return 1;
     vmm("VMM, one 8 GiB handle", S, false, out);
     vmm("VMM, 64 MiB handles", 64ull << 20, false, out);
     vmm("VMM, 8 MiB handles", 8ull << 20, false, out);
     vmm("VMM, 2 MiB handles", 2ull << 20, false, out);
     vmm("VMM, 2 MiB handles, reverse order", 2ull << 20, true, out);
-    run("cudaMalloc, again", (CUdeviceptr)[&] {
-        void* q = nullptr;
-        cudaMalloc(&q, S);
-        return q;
-    }(), out);
+    if (!timed_cuda_malloc("cudaMalloc, again", out)) return 1;
+    cudaFree(out);
     return 0;
 }

@@ -182,6 +182,9 @@ pub struct ReplayReport {
     pub events_per_sec: f64,
     /// Stitches (slow paths that remapped free handles).
     pub stitches: u64,
+    /// Stitches made in the same state as an earlier one at the same lifetime peak
+    /// ([`crate::Stats::repeated_stitches`]).
+    pub repeated_stitches: u64,
     /// Handles moved by stitching.
     pub stitched_handles: u64,
     /// Clean handles released by stitching to create the span's memory anew.
@@ -622,6 +625,7 @@ pub fn replay<D: Driver>(
     let replay_secs = (wall - probe_time).max(1e-9);
     r.events_per_sec = r.events as f64 / replay_secs;
     r.stitches = s.stitches;
+    r.repeated_stitches = s.repeated_stitches;
     r.stitched_handles = s.stitched_handles;
     r.recreated_handles = s.recreated_handles;
     r.extensions = s.extensions;

@@ -156,6 +156,14 @@ pub struct Stats {
     /// step), at most 1% of the peak; 0 until then. Like `requested_lifetime_peak`, never
     /// reset.
     pub repeat_allowance: u64,
+    /// Stitches made in the same state as an earlier stitch at the same lifetime peak: a
+    /// request of the same size with the same live bytes, the mark of a loop with the same
+    /// shapes every step that stitches at the same point of each step, paying the driver
+    /// again each time. For a loop with the same shapes every step,
+    /// [`crate::Config::prealloc`] of about 1.05 x the peak of live bytes ends them
+    /// (design/zoo.md, "Fourteenth session"); after eight the allocator also says so once,
+    /// as a `tracing` warning.
+    pub repeated_stitches: u64,
 }
 
 impl Stats {
@@ -194,6 +202,7 @@ impl Stats {
         self.fast_allocs = 0;
         self.slow_allocs = 0;
         self.stitches = 0;
+        self.repeated_stitches = 0;
         self.extensions = 0;
         self.stitched_handles = 0;
         self.recreated_handles = 0;

@@ -692,9 +692,10 @@ fn print_report(file: &str, t: &Trace, b: &Built, r: &ReplayReport) {
         );
     }
     out!(
-        "stitches         {} (moving {} handles), {} in-place extensions; {} handles created, {} released; {} of {} allocs with no driver call",
+        "stitches         {} (moving {} handles; {} in the state of an earlier one), {} in-place extensions; {} handles created, {} released; {} of {} allocs with no driver call",
         r.stitches,
         r.stitched_handles,
+        r.repeated_stitches,
         r.extensions,
         r.handles_created,
         r.handles_released,

@@ -317,12 +317,27 @@ impl Engine {
         };
         let plan = self.policy.plan(&ctx, pool, rsize);
         let stitches = self.stats.stitches;
+        let live = self.stats.requested.current;
         let r = self.apply(d, plan)?;
         if self.stats.stitches > stitches {
             let s = &mut self.stats;
-            s.repeat_allowance =
-                self.repeats
-                    .on_stitch(rsize, s.requested_lifetime_peak, s.repeat_allowance);
+            let peak = s.requested_lifetime_peak;
+            s.repeat_allowance = self.repeats.on_stitch(rsize, peak, s.repeat_allowance);
+            if self.repeats.repeats_state(rsize, live, peak) {
+                s.repeated_stitches += 1;
+                if s.repeated_stitches >= repeats::REPEAT_WARN && !self.repeats.warned {
+                    self.repeats.warned = true;
+                    let suggest_mib = (peak + peak / 20).div_ceil(1 << 20);
+                    tracing::warn!(
+                        repeated = s.repeated_stitches,
+                        request = rsize,
+                        "a loop stitches again at the same point of its steps (same request, \
+                         same live bytes), paying driver calls each time; for a loop with the \
+                         same shapes every step, pre-allocating about 1.05 x the peak of live \
+                         bytes (prealloc:{suggest_mib}MiB) ends them"
+                    );
+                }
+            }
         }
         Ok(r)
     }

@@ -11,7 +11,15 @@
 //! [`REPEAT_STREAK`] on, each such stitch raises the allowance above the peak by the
 //! request's size, up to [`REPEAT_ALLOWANCE`] of the peak, so that creating memory is
 //! allowed again and the loop settles.
+//!
+//! Separately, every stitch made in the same state as an earlier one at the same lifetime
+//! peak (the same request size with the same live bytes: the same point of a loop with the
+//! same shapes every step) is counted (`Stats::repeated_stitches`), whether or not the
+//! allowance ends it; past [`REPEAT_WARN`] of them the allocator says once, in a warning,
+//! what ends them for certain: pre-allocation (design/zoo.md, "Fourteenth session").
 #![forbid(unsafe_code)]
+
+use rustc_hash::FxHashSet;
 
 /// The most the allowance may reach, as a fraction of the lifetime peak of live bytes.
 /// Measured on llm-train-s with fixed shapes (simulator, lag 100): a fixed growth slack of
@@ -27,13 +35,27 @@ pub(crate) const REPEAT_ALLOWANCE: f64 = 0.01;
 /// 1.0107 -> 1.0101, and the fixed-shape loop still settles (after about seven steps).
 pub(crate) const REPEAT_STREAK: u32 = 3;
 
-/// The last stitch and the streak of stitches that repeated it.
+/// Repeated stitches in the same state before the one-time warning.
+pub(crate) const REPEAT_WARN: u64 = 8;
+
+/// States remembered at one lifetime peak before they are forgotten and counted afresh.
+const MAX_STATES: usize = 4096;
+
+/// The last stitch and the streak of stitches that repeated it; the states stitched in at
+/// the current lifetime peak.
 #[derive(Debug, Default)]
 pub(crate) struct Repeats {
     /// `(request bytes, lifetime peak)` of the last stitch; `(0, 0)` before the first.
     last: (u64, u64),
     /// How many stitches in a row repeated the one before them.
     streak: u32,
+    /// The lifetime peak `states` belong to; a new peak clears them.
+    states_peak: u64,
+    /// `(request bytes, live bytes before the request)` of every stitch at `states_peak`
+    /// (at most `MAX_STATES`).
+    states: FxHashSet<(u64, u64)>,
+    /// Whether the warning was given.
+    pub(crate) warned: bool,
 }
 
 impl Repeats {
@@ -55,6 +77,22 @@ impl Repeats {
             "repeated stitch: growth allowance"
         );
         allowance.saturating_add(rsize).min(cap).max(allowance)
+    }
+
+    /// Whether a stitch for `rsize` bytes with `live` bytes live at lifetime peak `peak`
+    /// was made in a state an earlier stitch at this peak was made in; notes the state.
+    pub(crate) fn repeats_state(&mut self, rsize: u64, live: u64, peak: u64) -> bool {
+        if peak != self.states_peak || self.states.len() >= MAX_STATES {
+            self.states_peak = peak;
+            self.states.clear();
+        }
+        !self.states.insert((rsize, live))
+    }
+
+    /// Heap bytes of the remembered states (hashbrown: the entry and one control byte per
+    /// bucket).
+    pub(crate) fn metadata_bytes(&self) -> u64 {
+        (self.states.capacity() * (16 + 1)) as u64 * 8 / 7
     }
 }
 
@@ -96,6 +134,24 @@ mod tests {
         let mut r = Repeats::default();
         run(&mut r, k, 64 * M, peak, 0);
         assert_eq!(r.on_stitch(64 * M, peak + M, 0), 0, "a new peak");
+    }
+
+    #[test]
+    fn a_state_repeats_only_at_the_same_peak() {
+        let mut r = Repeats::default();
+        let peak = 1_000 * M;
+        assert!(!r.repeats_state(64 * M, 900 * M, peak), "first time");
+        assert!(
+            r.repeats_state(64 * M, 900 * M, peak),
+            "same size, same live bytes"
+        );
+        assert!(!r.repeats_state(64 * M, 901 * M, peak), "other live bytes");
+        assert!(!r.repeats_state(32 * M, 900 * M, peak), "other size");
+        assert!(
+            !r.repeats_state(64 * M, 900 * M, peak + M),
+            "a new peak forgets"
+        );
+        assert!(r.repeats_state(64 * M, 900 * M, peak + M));
     }
 
     #[test]

@@ -179,6 +179,7 @@ impl Engine {
             + self.handles.metadata_bytes()
             + vec(self.fences.pending.capacity(), size_of::<PendingFree>())
             + self.va.metadata_bytes()
+            + self.repeats.metadata_bytes()
     }
 
     pub(crate) fn detailed(&self) -> DetailedStats {
