@@ -87,13 +87,15 @@ VARIANTS = {"llm-train-s-b2": llm_train(2), "llm-train-s-b32": llm_train(32)}
 
 def counters(stitch_alloc):
     """stitch-alloc's own counters on device 0: driver time and malloc + free time (us),
-    event waits and slow-path allocations, cumulative."""
+    event waits, slow-path allocations and stitches repeating an earlier one's state,
+    cumulative."""
     doc = stitch_alloc.stats(0)
     st = doc.get("stats", {})
     return {"driver_us": float(doc.get("driver_time_us", 0)),
             "api_us": float(doc.get("malloc_free_time_us", 0)),
             "event_waits": float(st.get("event_waits", 0)),
-            "slow_allocs": float(st.get("slow_allocs", 0))}
+            "slow_allocs": float(st.get("slow_allocs", 0)),
+            "repeated_stitches": float(st.get("repeated_stitches", 0))}
 
 
 def interval(ratios, resamples=4000, seed=0):
@@ -182,13 +184,14 @@ def main():
         print(f"| {name} | {r['default_median_ms']:.2f} ms | {r['stitch_median_ms']:.2f} ms | "
               f"{r['speed_median']:.4f} | {lo:.4f}-{hi:.4f} |")
     print("\n| workload | GPU time per step (CUDA events), default / stitch-alloc | stitch-alloc's "
-          "counters per step on its side (driver us, malloc+free us, event waits, slow allocs) "
+          "counters per step on its side (driver us, malloc+free us, event waits, slow allocs, "
+          "repeated stitches) "
           "| the same on the default's side |")
     print("|---|---|---|---|")
     for name, r in results.items():
         g, st, df = r["gpu_median_ms"], r["stitch_side_per_step"], r["default_side_per_step"]
         cells = lambda c: ", ".join(f"{c[k]:.1f}" for k in ("driver_us", "api_us", "event_waits",
-                                                             "slow_allocs"))
+                                                             "slow_allocs", "repeated_stitches"))
         print(f"| {name} | {g['default']:.2f} / {g['stitch']:.2f} ms | {cells(st)} | {cells(df)} |")
 
 
