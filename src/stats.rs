@@ -159,10 +159,10 @@ pub struct Stats {
     /// Stitches made in the same state as an earlier stitch at the same lifetime peak: a
     /// request of the same size with the same live bytes, the mark of a loop with the same
     /// shapes every step that stitches at the same point of each step, paying the driver
-    /// again each time. For a loop with the same shapes every step,
-    /// [`crate::Config::prealloc`] of about 1.05 x the peak of live bytes ends them
-    /// (design/zoo.md, "Fourteenth session"); after eight the allocator also says so once,
-    /// as a `tracing` warning.
+    /// again each time. A [`crate::Config::prealloc`] pool a little above the peak of live
+    /// bytes can end them: 1.05 x did on a training loop (design/zoo.md, "Fourteenth
+    /// session"), a step that fragments more needs more (1.5 x for a checkerboard). After
+    /// eight the allocator says so once, as a `tracing` warning naming 1.05 x the peak.
     pub repeated_stitches: u64,
 }
 

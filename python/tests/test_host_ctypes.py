@@ -340,3 +340,51 @@ def test_ipc_share_and_open_through_ctypes(lib):
     assert lib.stitch_ipc_open(0, b"\x02Sgarbage", 9, ctypes.byref(bad)) == -1
     assert "IPC handle" in stitch_alloc.last_error()
     lib.stitch_free(p, size, 0, None)
+
+
+def test_repeated_stitches_show_a_loop_stitching_every_step(libpath):
+    """A step that frees every other 4 MiB tensor of four, then asks for 8 MiB, stitches at
+    the same point of every step: `repeated_stitches` counts each stitch after the first
+    (same request, same live bytes, same peak). A pool that holds the step without moving
+    memory (24 MiB: a checkerboard needs 1.5 x its peak) ends them, and the driver calls."""
+    code = (
+        "import json, stitch_alloc\n"
+        "lib = stitch_alloc.load_library()\n"
+        "M = 1 << 20\n"
+        "def step():\n"
+        "    xs = [lib.stitch_malloc(4 * M, 0, None) for _ in range(4)]\n"
+        "    assert all(xs)\n"
+        "    lib.stitch_free(xs[0], 0, 0, None)\n"
+        "    lib.stitch_free(xs[2], 0, 0, None)\n"
+        "    y = lib.stitch_malloc(8 * M, 0, None)\n"
+        "    assert y\n"
+        "    for p in (xs[1], xs[3], y):\n"
+        "        lib.stitch_free(p, 0, 0, None)\n"
+        "step()\n"
+        "calls = stitch_alloc.memory_stats(0)['driver_calls']\n"
+        "for _ in range(10):\n"
+        "    step()\n"
+        "m = stitch_alloc.memory_stats(0)\n"
+        "print('RESULT', json.dumps({'stitches': m['stitches'], 'calls': calls,\n"
+        "      'repeated': m['repeated_stitches'], 'after': m['driver_calls']}))\n"
+    )
+
+    def run(conf):
+        r = subprocess.run(
+            [sys.executable, "-c", code],
+            env=subprocess_env(libpath, "backend:host,capacity_bytes:256MiB,log:off" + conf),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        line = [l for l in r.stdout.splitlines() if l.startswith("RESULT ")]
+        assert line, r.stdout + r.stderr
+        return json.loads(line[-1][len("RESULT "):])
+
+    res = run("")
+    assert res["stitches"] == 11, res
+    assert res["repeated"] == 10, res
+    assert res["after"] > res["calls"], res
+    res = run(",prealloc:24MiB")
+    assert res["stitches"] == 0 and res["repeated"] == 0, res
+    assert res["after"] == res["calls"], res

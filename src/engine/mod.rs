@@ -332,9 +332,9 @@ impl Engine {
                         repeated = s.repeated_stitches,
                         request = rsize,
                         "a loop stitches again at the same point of its steps (same request, \
-                         same live bytes), paying driver calls each time; for a loop with the \
-                         same shapes every step, pre-allocating about 1.05 x the peak of live \
-                         bytes (prealloc:{suggest_mib}MiB) ends them"
+                         same live bytes), paying driver calls each time; a pool pre-allocated a \
+                         little above the peak of live bytes can end it (prealloc:{suggest_mib}MiB \
+                         is 1.05 x the peak; a step that fragments more needs more)"
                     );
                 }
             }

@@ -16,7 +16,7 @@
 //! peak (the same request size with the same live bytes: the same point of a loop with the
 //! same shapes every step) is counted (`Stats::repeated_stitches`), whether or not the
 //! allowance ends it; past [`REPEAT_WARN`] of them the allocator says once, in a warning,
-//! what ends them for certain: pre-allocation (design/zoo.md, "Fourteenth session").
+//! what can end them: a pre-allocated pool (design/zoo.md, "Fourteenth session").
 #![forbid(unsafe_code)]
 
 use rustc_hash::FxHashSet;
