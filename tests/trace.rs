@@ -763,6 +763,7 @@ fn cli_replay_json_has_every_key() {
         "peak_live_bytes",
         "peak_reserved_bytes",
         "ratio",
+        "repeated_stitches",
         "stranded_bytes_at_peak",
         "driver_calls",
         "modeled_driver_us",
@@ -790,6 +791,24 @@ fn cli_replay_json_has_every_key() {
     let p = data("torch-small.pickle");
     let v = json(&["replay", p.to_str().unwrap(), "--json", "--backend", "sim"]);
     assert_eq!(v["failed_allocs"], 0);
+}
+
+#[test]
+fn cli_replay_names_the_prealloc_for_a_loop_stitching_every_step() {
+    let f = data("llm-train-s-b2.pickle.gz");
+    let peak = read("llm-train-s-b2.pickle.gz")
+        .unwrap()
+        .summary()
+        .peak_live_bytes;
+    let out = stitch(&["replay", f.to_str().unwrap()]);
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    let want = format!("try --prealloc {}MiB", (peak + peak / 20).div_ceil(1 << 20));
+    assert!(text.contains(&want), "{want} not in:\n{text}");
+    let f = data("llm-small.trace.gz");
+    let out = stitch(&["replay", f.to_str().unwrap()]);
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(!text.contains("--prealloc"), "{text}");
 }
 
 #[test]
