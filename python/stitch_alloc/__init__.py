@@ -776,6 +776,16 @@ def memory_summary(device=None):
         f"pending frees {_fmt(s['pending_free'])}",
         f" peak reserved / peak requested {ratio:.3f}; "
         f"peak allocated / peak reserved {util:.3f}",
+    ]
+    rep = s.get("repeated_stitches", 0)
+    if rep:
+        peak = s.get("requested_lifetime_peak", s["requested"]["peak"])
+        lines.append(
+            f" repeated stitches {rep}: a loop stitches at the same point of its steps; "
+            f"prealloc:{-(-(peak + peak // 20) // (1 << 20))}MiB (1.05 x the peak requested) "
+            f"can end them"
+        )
+    lines += [
         "-" * w,
         f" free spans {f['free_spans']} ({_fmt(f['free_bytes'])}), largest "
         f"{_fmt(f['largest_free_span'])}",

@@ -365,8 +365,10 @@ def test_repeated_stitches_show_a_loop_stitching_every_step(libpath):
         "for _ in range(10):\n"
         "    step()\n"
         "m = stitch_alloc.memory_stats(0)\n"
+        "text = stitch_alloc.memory_summary(0)\n"
         "print('RESULT', json.dumps({'stitches': m['stitches'], 'calls': calls,\n"
-        "      'repeated': m['repeated_stitches'], 'after': m['driver_calls']}))\n"
+        "      'repeated': m['repeated_stitches'], 'after': m['driver_calls'],\n"
+        "      'summary': 'repeated stitches 10:' in text and 'prealloc:17MiB' in text}))\n"
     )
 
     def run(conf):
@@ -384,6 +386,7 @@ def test_repeated_stitches_show_a_loop_stitching_every_step(libpath):
     res = run("")
     assert res["stitches"] == 11, res
     assert res["repeated"] == 10, res
+    assert res["summary"], res  # memory_summary() names prealloc at 1.05 x the 16 MiB peak
     assert res["after"] > res["calls"], res
     res = run(",prealloc:24MiB")
     assert res["stitches"] == 0 and res["repeated"] == 0, res
