@@ -1025,26 +1025,38 @@ fn cli_cost_model_override() {
 /// The meter's modeled microseconds and calls before and after a replay ([`Meter::totals`]).
 type MeterSpan = ((f64, CallCounts), (f64, CallCounts));
 
-/// Replay `t` on a simulated H200 under the default policy with every driver call metered;
-/// returns the report and the meter's readings around the replay alone (starting the
-/// allocator excluded), the oracle the per-allocation and per-tenth figures are checked on.
-fn metered_replay_span(t: &Trace) -> (stitch_alloc::replay::ReplayReport, MeterSpan) {
+/// Replay `t` on a simulated H200 under `cfg`, the GPU `lag` events behind, with every
+/// driver call metered; returns the report, the meter's readings around the replay alone
+/// (starting the allocator excluded) and the allocator's statistics at the end.
+fn metered_replay_with(
+    t: &Trace,
+    cfg: Config,
+    lag: usize,
+) -> (
+    stitch_alloc::replay::ReplayReport,
+    MeterSpan,
+    stitch_alloc::Stats,
+) {
     let meter = Meter::new(Default::default());
-    let a = Allocator::new(
-        Metered::new(SimDriver::new(), meter.clone()),
-        Config::default(),
-    )
-    .unwrap();
+    let a = Allocator::new(Metered::new(SimDriver::new(), meter.clone()), cfg).unwrap();
     let start = meter.totals(); // after what starting the allocator cost
     let r = replay(
         t,
         &a,
         &ReplayOptions {
+            gpu_lag: lag,
             meter: Some(meter.clone()),
             ..Default::default()
         },
     );
-    (r, (start, meter.totals()))
+    (r, (start, meter.totals()), a.stats())
+}
+
+/// [`metered_replay_with`] under the default policy with no GPU lag, without the
+/// statistics: the oracle the per-allocation and per-tenth figures are checked on.
+fn metered_replay_span(t: &Trace) -> (stitch_alloc::replay::ReplayReport, MeterSpan) {
+    let (r, span, _) = metered_replay_with(t, Config::default(), 0);
+    (r, span)
 }
 
 /// [`metered_replay_span`] with the modeled time over the replay only.
@@ -1243,23 +1255,9 @@ fn a_loop_stitching_every_step_is_counted_and_prealloc_ends_it() {
     let t = read("llm-train-s-b2.pickle.gz").unwrap();
     let peak = t.summary().peak_live_bytes;
     let run = |cfg: Config, lag: usize| {
-        let meter = Meter::new(Default::default());
-        let a = Allocator::new(Metered::new(SimDriver::new(), meter.clone()), cfg).unwrap();
-        let r = replay(
-            &t,
-            &a,
-            &ReplayOptions {
-                gpu_lag: lag,
-                meter: Some(meter),
-                ..Default::default()
-            },
-        );
+        let (r, _, stats) = metered_replay_with(&t, cfg, lag);
         assert_eq!(r.failed_allocs, 0, "lag {lag}");
-        assert_eq!(
-            r.repeated_stitches,
-            a.stats().repeated_stitches,
-            "lag {lag}"
-        );
+        assert_eq!(r.repeated_stitches, stats.repeated_stitches, "lag {lag}");
         r
     };
     for lag in [0, 100, 1000] {
@@ -1295,21 +1293,7 @@ fn a_loop_stitching_every_step_is_counted_and_prealloc_ends_it() {
 fn a_fixed_shape_training_loop_stops_stitching() {
     let t = read("llm-train-s-fixed.pickle.gz").unwrap();
     for lag in [0, 100, 1000] {
-        let meter = Meter::new(Default::default());
-        let a = Allocator::new(
-            Metered::new(SimDriver::new(), meter.clone()),
-            Config::default(),
-        )
-        .unwrap();
-        let r = replay(
-            &t,
-            &a,
-            &ReplayOptions {
-                gpu_lag: lag,
-                meter: Some(meter),
-                ..Default::default()
-            },
-        );
+        let (r, _, _) = metered_replay_with(&t, Config::default(), lag);
         assert_eq!(r.failed_allocs, 0);
         assert_eq!(r.modeled_driver_us_by_tenth.len(), 10);
         let late = &r.modeled_driver_us_by_tenth[5..];

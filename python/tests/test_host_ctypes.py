@@ -199,6 +199,21 @@ def test_enable_refuses_cpu_backends(libpath):
         assert "REFUSED" in r.stdout and "backend:cuda" in r.stdout, r.stdout + r.stderr
 
 
+def child_result(libpath, conf, code):
+    """Run `code` in a child Python with `conf` as its configuration; return the dict it
+    printed last as `RESULT {...}`."""
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        env=subprocess_env(libpath, conf),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    line = [l for l in r.stdout.splitlines() if l.startswith("RESULT ")]
+    assert line, r.stdout + r.stderr
+    return json.loads(line[-1][len("RESULT "):])
+
+
 def test_prealloc_through_the_configuration(libpath):
     """Issue #11 item 3: `prealloc:` creates the pool at the device's first allocation, and a
     repeated step that fits makes no driver call after warm-up."""
@@ -218,16 +233,7 @@ def test_prealloc_through_the_configuration(libpath):
         "print('RESULT', json.dumps({'pre': m['preallocated_bytes'], 'calls': calls,\n"
         "      'after': m['driver_calls']}))\n"
     )
-    r = subprocess.run(
-        [sys.executable, "-c", code],
-        env=subprocess_env(libpath, "backend:host,capacity_bytes:256MiB,prealloc:128MiB"),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    line = [l for l in r.stdout.splitlines() if l.startswith("RESULT ")]
-    assert line, r.stdout + r.stderr
-    res = json.loads(line[-1][len("RESULT "):])
+    res = child_result(libpath, "backend:host,capacity_bytes:256MiB,prealloc:128MiB", code)
     assert res["pre"] == 128 << 20
     assert res["after"] == res["calls"], res
 
@@ -372,16 +378,7 @@ def test_repeated_stitches_show_a_loop_stitching_every_step(libpath):
     )
 
     def run(conf):
-        r = subprocess.run(
-            [sys.executable, "-c", code],
-            env=subprocess_env(libpath, "backend:host,capacity_bytes:256MiB,log:off" + conf),
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        line = [l for l in r.stdout.splitlines() if l.startswith("RESULT ")]
-        assert line, r.stdout + r.stderr
-        return json.loads(line[-1][len("RESULT "):])
+        return child_result(libpath, "backend:host,capacity_bytes:256MiB,log:off" + conf, code)
 
     res = run("")
     assert res["stitches"] == 11, res
