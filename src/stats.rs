@@ -166,6 +166,18 @@ pub struct Stats {
     pub repeated_stitches: u64,
 }
 
+/// The [`crate::Config::prealloc`] the allocator names for a loop that stitches at the same
+/// point of each step ([`Stats::repeated_stitches`]) with a peak of `peak_live` bytes: 1.05 x
+/// the peak, rounded up to a MiB (enough for the fixed-shape training loop of design/zoo.md,
+/// "Fourteenth session"; a step that fragments more needs more).
+///
+/// ```
+/// assert_eq!(stitch_alloc::stats::prealloc_for_peak(16 << 20), 17 << 20);
+/// ```
+pub fn prealloc_for_peak(peak_live: u64) -> u64 {
+    (peak_live + peak_live / 20).div_ceil(1 << 20) << 20
+}
+
 impl Stats {
     /// Start every high-water mark again from the current value (torch's
     /// `reset_peak_memory_stats`). `requested_lifetime_peak` is kept.

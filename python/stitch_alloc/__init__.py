@@ -779,6 +779,7 @@ def memory_summary(device=None):
     ]
     rep = s.get("repeated_stitches", 0)
     if rep:
+        # 1.05 x the peak rounded up to a MiB, as the library's stats::prealloc_for_peak.
         peak = s.get("requested_lifetime_peak", s["requested"]["peak"])
         lines.append(
             f" repeated stitches {rep}: a loop stitches at the same point of its steps; "

@@ -703,7 +703,7 @@ fn print_report(file: &str, t: &Trace, b: &Built, r: &ReplayReport) {
         thousands(r.fast_allocs + r.slow_allocs)
     );
     if r.repeated_stitches > 0 {
-        let mib = (r.peak_live_bytes + r.peak_live_bytes / 20).div_ceil(1 << 20);
+        let mib = stitch_alloc::stats::prealloc_for_peak(r.peak_live_bytes) >> 20;
         out!(
             "repeats          {} stitches were made at the same point of a step as an earlier one (same request, same live bytes); a pool pre-allocated a little above the peak can end them: try --prealloc {mib}MiB (1.05 x peak live; more if the step fragments more)",
             thousands(r.repeated_stitches)

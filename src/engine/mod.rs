@@ -327,7 +327,7 @@ impl Engine {
                 s.repeated_stitches += 1;
                 if s.repeated_stitches >= repeats::REPEAT_WARN && !self.repeats.warned {
                     self.repeats.warned = true;
-                    let suggest_mib = (peak + peak / 20).div_ceil(1 << 20);
+                    let suggest_mib = crate::stats::prealloc_for_peak(peak) >> 20;
                     tracing::warn!(
                         repeated = s.repeated_stitches,
                         request = rsize,
