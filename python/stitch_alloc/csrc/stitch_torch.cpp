@@ -518,6 +518,7 @@ class StitchAllocator final : public CCA::CUDAAllocator {
     p.device = device;
     p.use_count++;
     captures_.push_back(Capture{device, mempool_id, std::move(filter)});
+    captures_n_.store(static_cast<int>(captures_.size()), std::memory_order_release);
   }
 
   void endAllocateToPool(DeviceIndex device, MempoolId_t mempool_id) override {
@@ -525,6 +526,7 @@ class StitchAllocator final : public CCA::CUDAAllocator {
     for (auto it = captures_.begin(); it != captures_.end(); ++it) {
       if (it->pool == mempool_id && it->device == device) {
         captures_.erase(it);
+        captures_n_.store(static_cast<int>(captures_.size()), std::memory_order_release);
         return;
       }
     }
@@ -699,6 +701,8 @@ class StitchAllocator final : public CCA::CUDAAllocator {
     }
     context_recorder_ = enabled ? context_recorder : nullptr;
     record_when_ = enabled ? when : CDA::RecordContext::NEVER;
+    contexts_on_.store(record_when_ != CDA::RecordContext::NEVER, std::memory_order_release);
+    tracing_on_.store(record_history_ || !trace_trackers_.empty(), std::memory_order_release);
     trace_max_ = std::max<size_t>(alloc_trace_max_entries, 1);
     skip_.clear();
     for (auto& s : skip_actions) {
@@ -720,6 +724,7 @@ class StitchAllocator final : public CCA::CUDAAllocator {
   void attachAllocatorTraceTracker(CCA::AllocatorTraceTracker tracker) override {
     std::lock_guard<std::mutex> g(mu_);
     trace_trackers_.push_back(std::move(tracker));
+    tracing_on_.store(true, std::memory_order_release);
   }
 
   // Every mapping is made accessible to the configured peers (peers:all by default, every
@@ -844,7 +849,7 @@ class StitchAllocator final : public CCA::CUDAAllocator {
     } else {
       lib.free(ptr, a.size, a.device, a.stream);
     }
-    {
+    if (tracing_on_.load(std::memory_order_acquire)) {
       std::lock_guard<std::mutex> g(mu_);
       record(CDA::TraceEntry::FREE_COMPLETED, a.device, ptr, a.size, a.stream, a.pool, nullptr);
     }
@@ -874,9 +879,12 @@ class StitchAllocator final : public CCA::CUDAAllocator {
       return c10::DataPtr(nullptr, dev);
     }
     // Stacks are gathered before the lock: the recorder may take the GIL.
+    // The fast path (no history, no capture) takes mu_ once, to note the allocation: the
+    // flags below mirror record_when_ and captures_ so that their locked reads are skipped
+    // when they are off.
     std::shared_ptr<c10::GatheredContext> ctx;
     CDA::CreateContextFn recorder = nullptr;
-    {
+    if (contexts_on_.load(std::memory_order_acquire)) {
       std::lock_guard<std::mutex> g(mu_);
       if (record_when_ != CDA::RecordContext::NEVER) {
         recorder = context_recorder_;
@@ -888,7 +896,7 @@ class StitchAllocator final : public CCA::CUDAAllocator {
     void* p = nullptr;
     MempoolId_t pool_id = kNoPool;
     int32_t registration = -1;  // a pool block's creation order (kept when it is reused)
-    {
+    if (captures_n_.load(std::memory_order_acquire) > 0) {
       std::unique_lock<std::mutex> g(mu_);
       for (auto& c : captures_) {
         if (c.device == device && c.filter(stream)) {
@@ -1145,6 +1153,10 @@ class StitchAllocator final : public CCA::CUDAAllocator {
   std::vector<CCA::AllocatorTraceTracker> trace_trackers_;
   bool record_history_ = false;
   std::atomic<bool> history_on_{false};  // record_history_, readable without mu_
+  // Written under mu_, read without it on the fast path of allocations and frees:
+  std::atomic<bool> contexts_on_{false};  // record_when_ != NEVER
+  std::atomic<bool> tracing_on_{false};   // record_history_ || !trace_trackers_.empty()
+  std::atomic<int> captures_n_{0};        // captures_.size()
   std::atomic<int> device_count_{0};     // from init()
   CDA::CreateContextFn context_recorder_ = nullptr;
   CDA::RecordContext record_when_ = CDA::RecordContext::NEVER;
