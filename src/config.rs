@@ -168,6 +168,15 @@ pub struct Config {
     /// `Stats::preallocated`; at most the capacity.
     #[serde(deserialize_with = "de_size")]
     pub prealloc: u64,
+    /// The loop region (default on): once a loop stitches again in a state it stitched in
+    /// before (same request, same live bytes), its large requests are placed in one run that
+    /// only grows, within 2% above the peak of live bytes, so that a fixed-shape loop stops
+    /// remapping memory every step; the mode ends by itself when shapes change
+    /// (`engine/region.rs`, design/zoo.md "Fifteenth session": the batch-2 training loop
+    /// settles for 0-0.4% more memory). Off: such a loop keeps stitching, and
+    /// [`Config::prealloc`] is the remedy.
+    #[serde(deserialize_with = "de_flag")]
+    pub loop_region: bool,
     /// Check every invariant after each operation (slow; for tests and fuzzing).
     #[serde(deserialize_with = "de_flag")]
     pub paranoid: bool,
@@ -193,6 +202,7 @@ impl Default for Config {
             va_chunk: None,
             va_limit: 32 << 40,
             prealloc: 0,
+            loop_region: true,
             paranoid: false,
         }
     }
@@ -450,6 +460,7 @@ impl Config {
             handle_divisor: self.handle_divisor.max(1),
             split_min,
             recreate: self.recreate,
+            loop_region: self.loop_region,
             contiguous: self.contiguous,
             stitching: self.stitching,
             reserve_slack: self.reserve_slack,
@@ -497,6 +508,7 @@ pub(crate) struct Resolved {
     /// A multiple of the granularity in `[granularity, max_handle]`.
     pub split_min: u64,
     pub recreate: bool,
+    pub loop_region: bool,
     pub contiguous: bool,
     pub stitching: bool,
     /// Finite, in `[0, MAX_RESERVE_SLACK]`.
@@ -1100,8 +1112,10 @@ mod tests {
         let e = from_pairs::<Config>(&split_pairs("stitching:maybe").unwrap()).unwrap_err();
         assert!(e.contains("true or false"), "{e}");
         let names = field_names::<Config>();
-        assert_eq!(names.len(), 18);
-        assert!(names.contains(&"contiguous"));
+        assert_eq!(names.len(), 19);
+        assert!(names.contains(&"contiguous") && names.contains(&"loop_region"));
+        let c: Config = from_pairs(&split_pairs("loop_region:off").unwrap()).unwrap();
+        assert!(!c.loop_region && Config::default().loop_region);
         assert!(names.contains(&"reserve_slack_min") && names.contains(&"capacity"));
     }
 }

@@ -164,6 +164,13 @@ pub struct Stats {
     /// session"), a step that fragments more needs more (1.5 x for a checkerboard). After
     /// eight the allocator says so once, as a `tracing` warning naming 1.05 x the peak.
     pub repeated_stitches: u64,
+    /// Times the loop region was entered ([`crate::Config::loop_region`]): a loop stitched
+    /// again in a state it stitched in before, and its large requests were given one run
+    /// that only grows.
+    pub loop_region_entries: u64,
+    /// Times the loop region was left: a large request it could not serve within 2% above
+    /// the peak of live bytes (shapes changed), a graph-pool allocation, or `empty_cache`.
+    pub loop_region_exits: u64,
 }
 
 /// The [`crate::Config::prealloc`] the allocator names for a loop that stitches at the same
@@ -215,6 +222,8 @@ impl Stats {
         self.slow_allocs = 0;
         self.stitches = 0;
         self.repeated_stitches = 0;
+        self.loop_region_entries = 0;
+        self.loop_region_exits = 0;
         self.extensions = 0;
         self.stitched_handles = 0;
         self.recreated_handles = 0;

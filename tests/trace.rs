@@ -1244,9 +1244,9 @@ fn a_growing_kv_cache_serving_loop_holds_less_than_both_pytorch_models() {
 }
 
 /// The same loop at batch 2 (`tests/data/llm-train-s-b2.pickle.gz`, recorded on the H200 by
-/// `scripts/record-fixed-llm.py`, run 85) still stitches at the same points of every step
-/// at the default setting (design/zoo.md, "Fourteenth session": the repeat allowance, a
-/// growth slack of up to 5% and address reuse per size do not settle it at lag 1000).
+/// `scripts/record-fixed-llm.py`, run 85) stitches at the same points of every step without
+/// the loop region (design/zoo.md, "Fourteenth session": the repeat allowance, a growth
+/// slack of up to 5% and address reuse per size do not settle it at lag 1000).
 /// `Stats::repeated_stitches` counts those stitches; pre-allocating 1.05 x the trace's
 /// peak of live bytes (computed from the trace, not by the allocator) ends every driver
 /// call after the first tenth of the trace, at every lag, and no stitch repeats.
@@ -1260,8 +1260,13 @@ fn a_loop_stitching_every_step_is_counted_and_prealloc_ends_it() {
         assert_eq!(r.repeated_stitches, stats.repeated_stitches, "lag {lag}");
         r
     };
+    let no_region = || {
+        let mut c = Config::default();
+        c.loop_region = false;
+        c
+    };
     for lag in [0, 100, 1000] {
-        let r = run(Config::default(), lag);
+        let r = run(no_region(), lag);
         assert!(
             r.repeated_stitches >= 8,
             "lag {lag}: {} of {} stitches counted as repeats",
@@ -1278,6 +1283,111 @@ fn a_loop_stitching_every_step_is_counted_and_prealloc_ends_it() {
         );
         assert_eq!(r.repeated_stitches, 0, "lag {lag}");
         assert!(r.ratio <= 1.051, "lag {lag}: ratio {}", r.ratio);
+    }
+}
+
+/// The loop region (`Config::loop_region`, on by default; `engine/region.rs`) settles that
+/// batch-2 loop by itself: from its first repeated stitch the loop's large requests are
+/// placed in one run that only grows, and in the second half of the trace no allocation
+/// reaches the driver, at GPU lags 0, 100 and 1000, where without it every step stitches
+/// twice (checked here too). Reserved memory stays within the region's budget, 2% above
+/// the trace's peak of live bytes (the ratio is computed by the replay from the trace's own
+/// figures).
+#[test]
+fn the_loop_region_settles_a_loop_that_stitches_every_step() {
+    let t = read("llm-train-s-b2.pickle.gz").unwrap();
+    for lag in [0, 100, 1000] {
+        let (r, _, stats) = metered_replay_with(&t, Config::default(), lag);
+        assert_eq!(r.failed_allocs, 0, "lag {lag}");
+        assert!(stats.loop_region_entries >= 1, "lag {lag}: never entered");
+        let late = &r.modeled_driver_us_by_tenth[5..];
+        assert!(
+            late.iter().all(|&us| us == 0.0),
+            "lag {lag}: driver time in the second half {late:?}"
+        );
+        assert!(r.ratio <= 1.02, "lag {lag}: ratio {}", r.ratio);
+        let mut off = Config::default();
+        off.loop_region = false;
+        let (r, _, _) = metered_replay_with(&t, off, lag);
+        let late: f64 = r.modeled_driver_us_by_tenth[5..].iter().sum();
+        assert!(late > 0.0, "lag {lag}: the loop settled without the region");
+    }
+}
+
+/// A workload whose shapes recur in blocks (bert-encode: about ten batches of one shape,
+/// then the next, so its stitches repeat in streaks of 8-10) enters the loop region and
+/// leaves it when the shape changes; it must not pay for it in memory. Its peak with the
+/// region is the same as without it, at lags 0 and 1000 (design/zoo.md, "Fifteenth
+/// session": a region without the exit rule took it from 1.0145 to 1.19-1.32).
+#[test]
+fn the_loop_region_leaves_recurring_shapes_as_they_were() {
+    let t = read("zoo/bert-encode.pickle.gz").unwrap();
+    for lag in [0, 1000] {
+        let (on, _, stats) = metered_replay_with(&t, Config::default(), lag);
+        let mut cfg = Config::default();
+        cfg.loop_region = false;
+        let (off, _, _) = metered_replay_with(&t, cfg, lag);
+        assert_eq!(on.failed_allocs + off.failed_allocs, 0);
+        assert!(stats.loop_region_entries >= 1, "lag {lag}: never entered");
+        assert!(stats.loop_region_exits >= 1, "lag {lag}: never left");
+        assert!(
+            on.peak_reserved_bytes <= off.peak_reserved_bytes,
+            "lag {lag}: {} with the region, {} without",
+            on.peak_reserved_bytes,
+            off.peak_reserved_bytes
+        );
+    }
+}
+
+/// A checkerboard loop (four 4 MiB tensors, two freed, then 8 MiB), which needs 1.5 x its
+/// peak to stop stitching, enters and leaves the loop region again and again; every
+/// structure stays consistent throughout (`paranoid`: `validate` after every operation),
+/// the waits between entries grow, and `empty_cache` gives every free handle back.
+#[test]
+fn the_loop_region_stays_consistent_on_a_loop_it_cannot_settle() {
+    let m = 1u64 << 20;
+    let mut text = String::new();
+    let mut id = 0;
+    for _ in 0..60 {
+        let xs: Vec<u64> = (0..4).map(|k| id + k).collect();
+        for &x in &xs {
+            text += &format!("a {x} {}\n", 4 * m);
+        }
+        text += &format!("f {}\nf {}\na {} {}\n", xs[0], xs[2], id + 4, 8 * m);
+        text += &format!("f {}\nf {}\nf {}\n", xs[1], xs[3], id + 4);
+        id += 5;
+    }
+    let t = Trace::parse_str(&text).unwrap();
+    for lag in [0, 100] {
+        let mut cfg = Config::default();
+        cfg.paranoid = true;
+        let a = Allocator::new(SimDriver::with_capacity(1 << 30), cfg).unwrap();
+        let r = replay(
+            &t,
+            &a,
+            &ReplayOptions {
+                gpu_lag: lag,
+                ..Default::default()
+            },
+        );
+        assert_eq!(r.failed_allocs, 0, "lag {lag}");
+        let s = a.stats();
+        assert!(s.loop_region_entries >= 2, "lag {lag}: {s:?}");
+        assert!(
+            s.loop_region_exits >= s.loop_region_entries - 1,
+            "lag {lag}"
+        );
+        // Entries wait 1, 2, 4, ... repeats: fewer entries than repeated stitches.
+        assert!(
+            s.loop_region_entries < s.repeated_stitches / 2,
+            "lag {lag}: {} entries for {} repeats",
+            s.loop_region_entries,
+            s.repeated_stitches
+        );
+        a.empty_cache().unwrap();
+        let s = a.stats();
+        assert_eq!(s.loop_region_exits, s.loop_region_entries, "lag {lag}");
+        assert_eq!(s.reserved.current, 0, "lag {lag}: {s:?}");
     }
 }
 

@@ -151,6 +151,10 @@ struct AllocArgs {
     /// (Config::recreate off).
     #[arg(long)]
     no_recreate: bool,
+    /// Keep stitching a loop that stitches at the same point of every step instead of giving
+    /// it one run that only grows (Config::loop_region off).
+    #[arg(long)]
+    no_loop_region: bool,
     /// Contiguous growth: map each new large span after the end of a run and link it in,
     /// so free tails coalesce with new memory (Config::contiguous; the default, so this
     /// flag only states it).
@@ -201,6 +205,7 @@ impl AllocArgs {
             c.split_min = v;
         }
         c.recreate = !self.no_recreate;
+        c.loop_region = !self.no_loop_region;
         c.contiguous = self.contiguous || (c.contiguous && !self.no_contiguous);
         if let Some(v) = self.reserve_slack {
             c.reserve_slack = v;
@@ -1006,6 +1011,7 @@ fn demo_run(t: &Trace, stitching: bool, backend: Backend) -> Result<ReplayReport
         handle_divisor: None,
         split_min: None,
         no_recreate: false,
+        no_loop_region: false,
         contiguous: false,
         no_contiguous: false,
         reserve_slack: None,

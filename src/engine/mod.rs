@@ -32,6 +32,7 @@ mod handles;
 mod maintenance;
 mod placement;
 mod policy;
+mod region;
 mod repeats;
 mod report;
 mod share;
@@ -47,7 +48,7 @@ use crate::config::Resolved;
 use crate::driver::{Driver, DriverOp, DriverResult, Stream};
 use crate::error::{AllocError, Result};
 use crate::stats::Stats;
-use arena::{round_up, Arena, State};
+use arena::{round_up, Arena, State, NIL};
 use fences::{Fences, PendingFree};
 use ghosts::Ghosts;
 use handles::Handles;
@@ -91,6 +92,8 @@ pub(crate) struct Engine {
     policy: Box<dyn GrowthPolicy>,
     /// The last stitch and its streak of repeats, for `Stats::repeat_allowance`.
     repeats: repeats::Repeats,
+    /// The loop region, while a fixed-shape loop is being settled (`region`).
+    region: region::LoopRegion,
     /// Counters; `requested`, `allocated`, `live_allocations`, `pending_free`, `reserved`,
     /// `mapped` and `handles` always equal what the structures hold.
     pub(crate) stats: Stats,
@@ -116,6 +119,7 @@ impl Engine {
             va: VaSpace::default(),
             policy: Box::new(StitchPolicy),
             repeats: repeats::Repeats::default(),
+            region: region::LoopRegion::default(),
             stats: Stats::default(),
             shut_down: false,
             reserved_ceiling: 0,
@@ -142,6 +146,7 @@ impl Engine {
                 pool: arena::Pool::Large,
                 extend: None,
                 short_without_room: true,
+                join_tail: false,
             })],
         };
         let failure = match self.apply(d, plan) {
@@ -248,12 +253,19 @@ impl Engine {
         } else {
             None
         };
-        if let Some(i) = self.arena.find(rsize, pool, own) {
+        let found = match self.region.range {
+            Some(_) if pool == Pool::Large => self.find_in_region(rsize, own),
+            _ => self.arena.find(rsize, pool, own),
+        };
+        if let Some(i) = found {
             // A large request would pin a free block four or more times its size: create a
             // fitting one instead while within the growth budget.
             let overfit =
                 pool == Pool::Large && self.arena.blocks[i as usize].size / OVERFIT >= rsize;
-            if !overfit || !self.policy.may_create(&self.cfg, &self.stats, size) {
+            if !overfit
+                || self.region.range.is_some()
+                || !self.policy.may_create(&self.cfg, &self.stats, size)
+            {
                 self.stats.fast_allocs += 1;
                 return Ok(Step::Done(self.take(i, rsize, size, stream)));
             }
@@ -293,10 +305,39 @@ impl Engine {
         addr
     }
 
-    /// `Arena::find_exhaustive` for `stream`.
+    /// `Arena::find_exhaustive` for `stream` (inside the loop region for a large request
+    /// while it is on).
     fn find_exhaustive(&self, rsize: u64, pool: Pool, stream: Stream) -> Option<u32> {
-        self.arena
-            .find_exhaustive(rsize, pool, self.fences.owner_index(stream))
+        let own = self.fences.owner_index(stream);
+        match self.region.range {
+            Some(_) if pool == Pool::Large => self.find_in_region(rsize, own),
+            _ => self.arena.find_exhaustive(rsize, pool, own),
+        }
+    }
+
+    /// The smallest free large-pool block inside the loop region that fits `rsize`, clean
+    /// or `own`'s: the best fit overall when it lies there (the usual case once the loop
+    /// has settled), else a search of the free blocks.
+    fn find_in_region(&self, rsize: u64, own: Option<fences::OwnerId>) -> Option<u32> {
+        let blocks = &self.arena.blocks;
+        let inside = |i: u32| {
+            let b = &blocks[i as usize];
+            self.region.holds(b.addr, b.size)
+        };
+        if let Some(i) = self.arena.find(rsize, Pool::Large, own) {
+            if inside(i) {
+                return Some(i);
+            }
+        }
+        let mut all = Vec::new();
+        self.arena.bins[fences::OwnerId::CLEAN.index()][Pool::Large as usize]
+            .collect(blocks, &mut all);
+        if let Some(o) = own {
+            self.arena.bins[o.index()][Pool::Large as usize].collect(blocks, &mut all);
+        }
+        all.into_iter()
+            .filter(|&i| blocks[i as usize].size >= rsize && inside(i))
+            .min_by_key(|&i| blocks[i as usize].size)
     }
 
     /// Make room for `rsize` bytes in `pool`: plan with the policy, apply the plan.
@@ -307,24 +348,33 @@ impl Engine {
         rsize: u64,
         stream: Stream,
     ) -> Result<Grow> {
-        let ctx = PlanContext {
-            cfg: &self.cfg,
-            stats: &self.stats,
-            arena: &self.arena,
-            handles: &self.handles,
-            va: &self.va,
-            stream_owner: self.fences.owner_index(stream),
-        };
-        let plan = self.policy.plan(&ctx, pool, rsize);
+        let mut plan = self.plan(pool, rsize, stream);
+        if self.region.range.is_some()
+            && pool == Pool::Large
+            && !self.region_plan_fits(&plan, rsize)
+        {
+            // Shapes changed, or the loop needs more than the region may grow: back to the
+            // usual policy, with every free byte visible again.
+            self.leave_region();
+            tracing::debug!(rsize, "loop region: left");
+            plan = self.plan(pool, rsize, stream);
+        }
         let stitches = self.stats.stitches;
         let live = self.stats.requested.current;
         let r = self.apply(d, plan)?;
+        if self.region.range.is_some() {
+            self.refresh_region();
+        }
         if self.stats.stitches > stitches {
             let s = &mut self.stats;
             let peak = s.requested_lifetime_peak;
             s.repeat_allowance = self.repeats.on_stitch(rsize, peak, s.repeat_allowance);
             if self.repeats.repeats_state(rsize, live, peak) {
                 s.repeated_stitches += 1;
+                if self.cfg.loop_region && self.region.on_repeat() {
+                    self.enter_region();
+                }
+                let s = &mut self.stats;
                 if s.repeated_stitches >= repeats::REPEAT_WARN && !self.repeats.warned {
                     self.repeats.warned = true;
                     let suggest_mib = crate::stats::prealloc_for_peak(peak) >> 20;
@@ -340,6 +390,112 @@ impl Engine {
             }
         }
         Ok(r)
+    }
+
+    /// The growth policy's plan for `rsize` bytes in `pool` on `stream`.
+    fn plan(&self, pool: Pool, rsize: u64, stream: Stream) -> policy::Plan {
+        let ctx = PlanContext {
+            cfg: &self.cfg,
+            stats: &self.stats,
+            arena: &self.arena,
+            handles: &self.handles,
+            va: &self.va,
+            stream_owner: self.fences.owner_index(stream),
+            region: self.region.range,
+        };
+        self.policy.plan(&ctx, pool, rsize)
+    }
+
+    /// Whether a plan made while the loop region is on keeps to it: it extends the region's
+    /// end and leaves reserved memory within `region::GROWTH` above the peak of live bytes
+    /// (counting this request).
+    fn region_plan_fits(&self, plan: &policy::Plan, rsize: u64) -> bool {
+        let Some((_, hi)) = self.region.range else {
+            return false;
+        };
+        let released: u64 = plan
+            .steps
+            .iter()
+            .map(|st| match st {
+                policy::Step::Release(v) => v.iter().map(|c| c.size).sum(),
+                _ => 0,
+            })
+            .sum();
+        let s = &self.stats;
+        let peak = s.requested_lifetime_peak.max(s.requested.current + rsize);
+        let cap = peak + (peak as f64 * region::GROWTH) as u64;
+        plan.steps.iter().any(|st| match st {
+            policy::Step::Build(b) => {
+                let create = match b.create {
+                    policy::Create::Exact(n) | policy::Create::AtLeast(n) => n,
+                };
+                let extends = b.extend.is_some_and(|t| {
+                    let x = &self.arena.blocks[t as usize];
+                    x.addr + x.size == hi
+                });
+                extends && s.reserved.current + create <= cap + released
+            }
+            _ => false,
+        })
+    }
+
+    /// The large-pool run that starts at `lo`: its last block, if there is such a run.
+    fn run_from(&self, lo: u64) -> Option<u32> {
+        let blocks = &self.arena.blocks;
+        let mut i = blocks.iter().position(|b| {
+            b.addr == lo && b.prev == NIL && b.pool == Pool::Large && b.state != State::Vacant
+        })? as u32;
+        while blocks[i as usize].next != NIL {
+            i = blocks[i as usize].next;
+        }
+        Some(i)
+    }
+
+    /// Turn the loop region on: the large-pool run that ends highest (where the stitch just
+    /// made mapped its span, or the run grown last) becomes the region.
+    fn enter_region(&mut self) {
+        let top = self
+            .arena
+            .blocks
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.next == NIL && b.pool == Pool::Large && b.state != State::Vacant)
+            .max_by_key(|(_, b)| b.addr + b.size)
+            .map(|(i, _)| i as u32);
+        let Some(mut i) = top else {
+            return;
+        };
+        let hi = self.arena.blocks[i as usize].addr + self.arena.blocks[i as usize].size;
+        while self.arena.blocks[i as usize].prev != NIL {
+            i = self.arena.blocks[i as usize].prev;
+        }
+        let lo = self.arena.blocks[i as usize].addr;
+        self.region.range = Some((lo, hi));
+        self.stats.loop_region_entries += 1;
+        tracing::debug!(lo, hi, "loop region: entered");
+    }
+
+    /// End the loop region's mode, if on.
+    pub(crate) fn leave_region(&mut self) {
+        if self.region.range.is_some() {
+            self.region.leave();
+            self.stats.loop_region_exits += 1;
+        }
+    }
+
+    /// After a plan was applied while the region is on: its end moves with the run that
+    /// starts at its start; the mode ends if that run is gone.
+    fn refresh_region(&mut self) {
+        let Some((lo, _)) = self.region.range else {
+            return;
+        };
+        match self.run_from(lo) {
+            Some(t) => {
+                let b = &self.arena.blocks[t as usize];
+                self.region.range = Some((lo, b.addr + b.size));
+            }
+            None => self.leave_region(),
+        }
     }
 
     /// The slow path: poll, plan and grow, or ask the caller to wait. `(overfit, rounds)`:
@@ -390,6 +546,11 @@ impl Engine {
         }
         let i = self
             .find_exhaustive(rsize, pool, stream)
+            .or_else(|| {
+                // The region was left by the plan just applied (its run is gone): any block.
+                self.arena
+                    .find_exhaustive(rsize, pool, self.fences.owner_index(stream))
+            })
             .expect("growing made room");
         Ok(Step::Done(self.take(i, rsize, size, stream)))
     }
@@ -411,6 +572,9 @@ impl Engine {
             return Ok(self.take(i, rsize, size, stream));
         }
         self.stats.slow_allocs += 1;
+        // A graph pool's allocations are not the loop's: the usual policy, every free byte
+        // visible.
+        self.leave_region();
         let ctx = PlanContext {
             cfg: &self.cfg,
             stats: &self.stats,
@@ -418,6 +582,7 @@ impl Engine {
             handles: &self.handles,
             va: &self.va,
             stream_owner: None,
+            region: None,
         };
         let plan = self.policy.plan(&ctx, pool, rsize);
         let grown = self.apply(d, plan)?;
@@ -640,6 +805,17 @@ impl Engine {
                     Some(&h) => end += self.handles.size(h),
                     None => return Err(format!("block {i} spans an unmapped hole at {end:#x}")),
                 }
+            }
+        }
+        if let Some((lo, hi)) = self.region.range {
+            let end = self.run_from(lo).map(|t| {
+                let b = &self.arena.blocks[t as usize];
+                b.addr + b.size
+            });
+            if end != Some(hi) {
+                return Err(format!(
+                    "loop region [{lo:#x}, {hi:#x}) is not a large-pool run (run end {end:?})"
+                ));
             }
         }
         if blocks.block_bytes != handles.mapped {

@@ -62,6 +62,10 @@ pub(crate) struct BuildPlan {
     pub(crate) extend: Option<u32>,
     /// Report `Short` instead when the creation exceeds the headroom when the build starts.
     pub(crate) short_without_room: bool,
+    /// With `extend` naming a dirty free tail: the new memory joins it (its owner's until the
+    /// next fence) instead of staying a separate clean block, so the tail grows in place (the
+    /// loop region grows its end so at any GPU lag).
+    pub(crate) join_tail: bool,
 }
 
 /// One step of a plan.
@@ -93,6 +97,9 @@ pub(crate) struct PlanContext<'a> {
     pub(crate) va: &'a VaSpace,
     /// The requesting stream's owner, if it ever freed memory.
     pub(crate) stream_owner: Option<OwnerId>,
+    /// The loop region's `[lo, hi)` while it is on (`region`): its free handles are not
+    /// candidates, and a large request grows its end.
+    pub(crate) region: Option<(u64, u64)>,
 }
 
 impl PlanContext<'_> {
@@ -106,7 +113,11 @@ impl PlanContext<'_> {
     /// Whole free handles: inside clean free blocks, or unmapped; with `dirty`, also those
     /// inside free blocks of that owner (movable by aliasing only, see `ghosts`).
     pub(crate) fn stitch_candidates(&self, dirty: Option<OwnerId>) -> Vec<Candidate> {
-        stitch_candidates(self.arena, self.handles, dirty)
+        let mut v = stitch_candidates(self.arena, self.handles, dirty);
+        if let Some((lo, hi)) = self.region {
+            v.retain(|c| c.block == NIL || c.addr + c.size <= lo || c.addr >= hi);
+        }
+        v
     }
 }
 
@@ -253,6 +264,7 @@ impl StitchPolicy {
             pool: Pool::Large,
             extend,
             short_without_room: false,
+            join_tail: false,
         };
         let build = |chosen, create, extend| Step::Build(span(chosen, create, extend));
         // A stitch by re-creation: release the clean handles, then build the rest anew.
@@ -267,6 +279,11 @@ impl StitchPolicy {
             ]
         };
         let mut steps = Vec::new();
+        if ctx.region.is_some() {
+            if let Some(region) = region_steps(ctx, rsize, cands.clone(), hsize) {
+                return region;
+            }
+        }
         if self.may_create(cfg, ctx.stats, rsize) {
             // New memory, one or a few calls, no remapping; grown in place after a free
             // block that ends its run when possible. If the driver refuses (another process
@@ -356,6 +373,7 @@ impl StitchPolicy {
             pool: Pool::Large,
             extend: None,
             short_without_room: false,
+            join_tail: false,
         }));
         steps
     }
@@ -387,6 +405,7 @@ impl StitchPolicy {
                 pool,
                 extend: None,
                 short_without_room,
+                join_tail: false,
             })
         };
         if let Some(c) = smallest(true, page) {
@@ -513,6 +532,76 @@ fn recreate_steps(
     let create = need.saturating_sub(kept).max(create);
     let target = after(kept, create);
     Some((release, keep, create, released, target))
+}
+
+/// The loop region's growth for a large request of `rsize` bytes that no free block inside
+/// it fits (`region`): extend its end by the part its free (or the requesting stream's dirty)
+/// tail lacks, from `cands` (free handles outside the region: released and re-created, or
+/// moved) and new memory for the rest. `None` when the region has no such end or no free
+/// address space after it. Whether the growth stays within the region's budget is the
+/// engine's check (`Engine::region_plan_fits`).
+fn region_steps(
+    ctx: &PlanContext<'_>,
+    rsize: u64,
+    cands: Vec<Candidate>,
+    hsize: u64,
+) -> Option<Vec<Step>> {
+    let (_, hi) = ctx.region?;
+    let cfg = ctx.cfg;
+    let blocks = &ctx.arena.blocks;
+    let t = blocks.iter().position(|b| {
+        b.next == NIL && b.pool == Pool::Large && b.state != State::Vacant && b.addr + b.size == hi
+    })? as u32;
+    let tb = &blocks[t as usize];
+    let usable = match tb.state {
+        State::Free { owner, .. } if owner.is_clean() || Some(owner) == ctx.stream_owner => {
+            // As `extension_target`: past a first handle shared with a live block when the
+            // placement would skip it.
+            match shared_start(ctx.arena, ctx.handles, t) {
+                Some(nb) if super::placement::align(nb.saturating_sub(tb.addr), rsize) => {
+                    hi.saturating_sub(nb)
+                }
+                _ => tb.size,
+            }
+        }
+        _ => 0,
+    };
+    let ext = round_up(rsize.saturating_sub(usable), cfg.granularity);
+    let headroom = ctx.headroom();
+    let chosen = if cands.is_empty() {
+        Vec::new()
+    } else {
+        choose(cands, ext)
+    };
+    let taken: u64 = chosen.iter().map(|c| c.size).sum();
+    let create = shortfall(ext, taken, cfg.min_handle.min(headroom));
+    if create > headroom || !ctx.va.is_free(hi, taken + create) {
+        return None;
+    }
+    let build = |chosen, create, handle_size, recreated| BuildPlan {
+        chosen,
+        create: Create::Exact(create),
+        handle_size,
+        recreated,
+        pool: Pool::Large,
+        extend: Some(t),
+        short_without_room: false,
+        join_tail: true,
+    };
+    if let Some((release, keep, create, released, _)) =
+        recreate_steps(ctx, &chosen, ext, create, |_, _| Some(t))
+    {
+        return Some(vec![
+            Step::Release(release),
+            Step::Build(build(
+                keep,
+                create,
+                recreate_handle_size(cfg, ext),
+                released,
+            )),
+        ]);
+    }
+    Some(vec![Step::Build(build(chosen, create, hsize, 0))])
 }
 
 /// Bytes to create when `taken` of `need` bytes come from free handles: none if covered,

@@ -64,7 +64,8 @@ impl Engine {
             return Ok(Grow::Short);
         }
         let stitches = self.stats.stitches;
-        let r = self.build(d, b.chosen, create, b.handle_size, b.pool, b.extend)?;
+        let extend = b.extend.map(|t| (t, b.join_tail));
+        let r = self.build(d, b.chosen, create, b.handle_size, b.pool, extend)?;
         if r == Grow::Done && b.recreated > 0 {
             if self.stats.stitches == stitches {
                 self.stats.stitches += 1;
@@ -155,7 +156,8 @@ impl Engine {
     /// Build one new mapped run in `pool` from the `chosen` free handles plus `create` new
     /// bytes (in handles of at most `handle_size`); or, with `extend = Some(b)`, map them
     /// right after block `b` (which ends its run and has free address space after it) and
-    /// link them into its run, merging with `b` if it is a free tail.
+    /// link them into its run, merging with `b` if it is a free tail (with `join` true, also
+    /// a dirty one: the new memory becomes its owner's until the next fence).
     fn build<D: Driver + ?Sized>(
         &mut self,
         d: &D,
@@ -163,8 +165,12 @@ impl Engine {
         create: u64,
         handle_size: u64,
         pool: Pool,
-        extend: Option<u32>,
+        extend: Option<(u32, bool)>,
     ) -> Result<Grow> {
+        let (extend, join) = match extend {
+            Some((b, join)) => (Some(b), join),
+            None => (None, false),
+        };
         let _span =
             tracing::debug_span!("build_span", moved = chosen.len(), create, ?pool).entered();
         // 1. Create the shortfall.
@@ -274,6 +280,13 @@ impl Engine {
                 owner: OwnerId::CLEAN,
                 seq: 0,
             },
+        };
+        // Joining a dirty tail: the new memory is usable by the tail's stream at once (its
+        // later work is ordered after the old) and by others after the tail's fence, like the
+        // tail itself, so the two merge into one block.
+        let state = match extend.map(|b| self.arena.blocks[b as usize].state) {
+            Some(tail @ State::Free { owner, .. }) if join && !owner.is_clean() => tail,
+            _ => state,
         };
         match extend {
             Some(b) => {

@@ -84,6 +84,7 @@ fn plan(e: &Engine, pool: Pool, rsize: u64) -> Plan {
         handles: &e.handles,
         va: &e.va,
         stream_owner: e.fences.owner_index(Stream::DEFAULT),
+        region: e.region.range,
     };
     e.policy.plan(&ctx, pool, rsize)
 }
@@ -305,6 +306,7 @@ fn a_build_after_a_release_of_the_same_block_finds_its_candidate() {
                 pool: Pool::Large,
                 extend: None,
                 short_without_room: false,
+                join_tail: false,
             }),
         ],
     };

@@ -1,0 +1,112 @@
+//! The loop region: a fixed-shape loop that stitches at the same point of every step gets
+//! one large-pool run that only grows, and its large requests are placed there alone, so the
+//! step's layout stops moving and the stitches end.
+//!
+//! At the default budget a loop can need its free memory in two arrangements per step (the
+//! batch-2 training loop of design/zoo.md: a 125 MiB logits tensor at the peak, a 93.75 MiB
+//! gradient in the backward pass), so each step remaps it twice. From the first stitch that
+//! repeats an earlier one's state (`Repeats::repeats_state`), the run that ends highest
+//! becomes the region `[lo, hi)`:
+//!
+//! * a large request takes a free block inside the region only (best fit there);
+//! * a large request that fits none extends the region's end by the part missing, with whole
+//!   free handles from outside the region first (moved or re-created) and new memory only for
+//!   the rest;
+//! * the region's own free handles are never moved, released or turned into pages.
+//!
+//! The region behaves like an expandable segment that free memory drains into, and an
+//! expandable segment settles on a fixed-shape loop. It grows only within [`GROWTH`] above
+//! the peak of live bytes: a plan for a large request that does not extend the region, or
+//! would take reserved memory past that, ends the mode and is made again without it (shapes
+//! changed, or the loop needs more than the region can give). Entering again then waits for
+//! [`BACKOFF`] times as many repeated stitches as the last time, so a workload whose shapes
+//! recur in blocks (bert-encode: about ten batches of one shape, then the next) does not
+//! enter and leave at every block. Measured (simulator, design/zoo.md "Fifteenth session"):
+//! the batch-2 loop settles at 10 of 11 GPU lags from 0 to 5,000 events for 0-0.4% more
+//! memory; bert-encode and t5-beam, the other traces with repeated stitches, keep their peaks.
+#![forbid(unsafe_code)]
+
+/// How far above the peak of live bytes reserved memory may grow while the region is on,
+/// as a fraction of that peak. Measured on the batch-2 loop (lags 0, 100, 1000): 0.5% and 1%
+/// leave it stitching (1.0112-1.0157, 37-105 ms of late driver time), 2% settles it at every
+/// lag (1.0166-1.0194).
+pub(crate) const GROWTH: f64 = 0.02;
+
+/// After the mode ends for the k-th time, entering again waits for `BACKOFF^k` repeated
+/// stitches. Measured: without it bert-encode enters and leaves at every block of one shape
+/// (modeled driver time 152 -> 248 ms at lag 1000); with 2 or 4 it is unchanged.
+pub(crate) const BACKOFF: u64 = 2;
+
+/// The region's state (see the module docs).
+#[derive(Debug, Default)]
+pub(crate) struct LoopRegion {
+    /// `Some((lo, hi))` while the mode is on: a large-pool run starts at `lo` and ends at
+    /// `hi` (`Engine::validate` checks it).
+    pub(crate) range: Option<(u64, u64)>,
+    /// Repeated stitches seen (the engine's own count: `Stats::repeated_stitches` can be
+    /// reset by the user).
+    repeats: u64,
+    /// `repeats` when the mode last ended.
+    left_at: u64,
+    /// How many times the mode ended.
+    exits: u32,
+}
+
+impl LoopRegion {
+    /// Note a repeated stitch; whether the mode should be entered now (it is off and enough
+    /// repeats have been seen since it last ended).
+    pub(crate) fn on_repeat(&mut self) -> bool {
+        self.repeats += 1;
+        let wait = BACKOFF.saturating_pow(self.exits.min(32));
+        self.range.is_none() && self.repeats >= self.left_at.saturating_add(wait)
+    }
+
+    /// End the mode (a no-op when it is off).
+    pub(crate) fn leave(&mut self) {
+        if self.range.take().is_some() {
+            self.left_at = self.repeats;
+            self.exits = self.exits.saturating_add(1);
+        }
+    }
+
+    /// Whether `[addr, addr + size)` lies inside the region.
+    pub(crate) fn holds(&self, addr: u64, size: u64) -> bool {
+        self.range
+            .is_some_and(|(lo, hi)| addr >= lo && addr.saturating_add(size) <= hi)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entering_again_waits_longer_after_each_exit() {
+        let mut r = LoopRegion::default();
+        assert!(r.on_repeat(), "the first repeat enters");
+        r.range = Some((0, 10));
+        assert!(!r.on_repeat(), "not while on");
+        r.leave();
+        assert!(r.range.is_none());
+        // After one exit: 2 more repeats.
+        assert!(!r.on_repeat());
+        assert!(r.on_repeat());
+        r.range = Some((0, 10));
+        r.leave();
+        // After two exits: 4 more.
+        let entered: Vec<bool> = (0..4).map(|_| r.on_repeat()).collect();
+        assert_eq!(entered, [false, false, false, true]);
+        r.leave(); // off already: no new exit counted
+        assert_eq!(r.exits, 2);
+    }
+
+    #[test]
+    fn holds_is_the_half_open_range() {
+        let mut r = LoopRegion::default();
+        assert!(!r.holds(0, 1));
+        r.range = Some((100, 200));
+        assert!(r.holds(100, 100));
+        assert!(!r.holds(99, 2));
+        assert!(!r.holds(150, 51));
+    }
+}
