@@ -26,6 +26,11 @@
 //! memory; bert-encode and t5-beam, the other traces with repeated stitches, keep their peaks.
 #![forbid(unsafe_code)]
 
+use super::arena::{Pool, State, NIL};
+use super::fences::OwnerId;
+use super::policy::{Create, Plan, Step};
+use super::Engine;
+
 /// How far above the peak of live bytes reserved memory may grow while the region is on,
 /// as a fraction of that peak. Measured on the batch-2 loop (lags 0, 100, 1000): 0.5% and 1%
 /// leave it stitching (1.0112-1.0157, 37-105 ms of late driver time), 2% settles it at every
@@ -73,6 +78,124 @@ impl LoopRegion {
     pub(crate) fn holds(&self, addr: u64, size: u64) -> bool {
         self.range
             .is_some_and(|(lo, hi)| addr >= lo && addr.saturating_add(size) <= hi)
+    }
+}
+
+impl Engine {
+    /// The smallest free large-pool block inside the loop region that fits `rsize`, clean
+    /// or `own`'s: the best fit overall when it lies there (the usual case once the loop
+    /// has settled), else a search of the free blocks.
+    pub(super) fn find_in_region(&self, rsize: u64, own: Option<OwnerId>) -> Option<u32> {
+        let blocks = &self.arena.blocks;
+        let inside = |i: u32| {
+            let b = &blocks[i as usize];
+            self.region.holds(b.addr, b.size)
+        };
+        if let Some(i) = self.arena.find(rsize, Pool::Large, own) {
+            if inside(i) {
+                return Some(i);
+            }
+        }
+        let mut all = Vec::new();
+        self.arena.bins[OwnerId::CLEAN.index()][Pool::Large as usize].collect(blocks, &mut all);
+        if let Some(o) = own {
+            self.arena.bins[o.index()][Pool::Large as usize].collect(blocks, &mut all);
+        }
+        all.into_iter()
+            .filter(|&i| blocks[i as usize].size >= rsize && inside(i))
+            .min_by_key(|&i| blocks[i as usize].size)
+    }
+
+    /// Whether a plan made while the loop region is on keeps to it: it extends the region's
+    /// end and leaves reserved memory within `GROWTH` above the peak of live bytes
+    /// (counting this request).
+    pub(super) fn region_plan_fits(&self, plan: &Plan, rsize: u64) -> bool {
+        let Some((_, hi)) = self.region.range else {
+            return false;
+        };
+        let released: u64 = plan
+            .steps
+            .iter()
+            .map(|st| match st {
+                Step::Release(v) => v.iter().map(|c| c.size).sum(),
+                _ => 0,
+            })
+            .sum();
+        let s = &self.stats;
+        let peak = s.requested_lifetime_peak.max(s.requested.current + rsize);
+        let cap = peak + (peak as f64 * GROWTH) as u64;
+        plan.steps.iter().any(|st| match st {
+            Step::Build(b) => {
+                let create = match b.create {
+                    Create::Exact(n) | Create::AtLeast(n) => n,
+                };
+                let extends = b.extend.is_some_and(|t| {
+                    let x = &self.arena.blocks[t as usize];
+                    x.addr + x.size == hi
+                });
+                extends && s.reserved.current + create <= cap + released
+            }
+            _ => false,
+        })
+    }
+
+    /// The large-pool run that starts at `lo`: its last block, if there is such a run.
+    pub(super) fn run_from(&self, lo: u64) -> Option<u32> {
+        let blocks = &self.arena.blocks;
+        let mut i = blocks.iter().position(|b| {
+            b.addr == lo && b.prev == NIL && b.pool == Pool::Large && b.state != State::Vacant
+        })? as u32;
+        while blocks[i as usize].next != NIL {
+            i = blocks[i as usize].next;
+        }
+        Some(i)
+    }
+
+    /// Turn the loop region on: the large-pool run that ends highest (where the stitch just
+    /// made mapped its span, or the run grown last) becomes the region.
+    pub(super) fn enter_region(&mut self) {
+        let top = self
+            .arena
+            .blocks
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.next == NIL && b.pool == Pool::Large && b.state != State::Vacant)
+            .max_by_key(|(_, b)| b.addr + b.size)
+            .map(|(i, _)| i as u32);
+        let Some(mut i) = top else {
+            return;
+        };
+        let hi = self.arena.blocks[i as usize].addr + self.arena.blocks[i as usize].size;
+        while self.arena.blocks[i as usize].prev != NIL {
+            i = self.arena.blocks[i as usize].prev;
+        }
+        let lo = self.arena.blocks[i as usize].addr;
+        self.region.range = Some((lo, hi));
+        self.stats.loop_region_entries += 1;
+        tracing::debug!(lo, hi, "loop region: entered");
+    }
+
+    /// End the loop region's mode, if on.
+    pub(crate) fn leave_region(&mut self) {
+        if self.region.range.is_some() {
+            self.region.leave();
+            self.stats.loop_region_exits += 1;
+        }
+    }
+
+    /// After a plan was applied while the region is on: its end moves with the run that
+    /// starts at its start; the mode ends if that run is gone.
+    pub(super) fn refresh_region(&mut self) {
+        let Some((lo, _)) = self.region.range else {
+            return;
+        };
+        match self.run_from(lo) {
+            Some(t) => {
+                let b = &self.arena.blocks[t as usize];
+                self.region.range = Some((lo, b.addr + b.size));
+            }
+            None => self.leave_region(),
+        }
     }
 }
 
