@@ -567,6 +567,11 @@ fn region_steps(
         _ => 0,
     };
     let ext = round_up(rsize.saturating_sub(usable), cfg.granularity);
+    // The new memory joins the tail only when the tail is the requesting stream's (dirty)
+    // block: joined to another stream's, it would be that stream's until its fence, and the
+    // request it was made for could not use it.
+    let join = matches!(tb.state, State::Free { owner, .. }
+        if !owner.is_clean() && Some(owner) == ctx.stream_owner);
     let headroom = ctx.headroom();
     let chosen = if cands.is_empty() {
         Vec::new()
@@ -586,7 +591,7 @@ fn region_steps(
         pool: Pool::Large,
         extend: Some(t),
         short_without_room: false,
-        join_tail: true,
+        join_tail: join,
     };
     if let Some((release, keep, create, released, _)) =
         recreate_steps(ctx, &chosen, ext, create, |_, _| Some(t))

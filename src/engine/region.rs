@@ -223,6 +223,44 @@ mod tests {
         assert_eq!(r.exits, 2);
     }
 
+    /// The region's end is another stream's dirty free tail when a request of this stream
+    /// fits no free block inside: the memory created to extend the region must stay usable
+    /// by the requesting stream, not join the other stream's tail (it did, and the engine
+    /// then found no block for the request it had just grown for: a panic).
+    #[test]
+    fn extending_past_another_streams_dirty_tail_serves_the_requesting_stream() {
+        use crate::driver::{Driver, SimDriver, Stream};
+        use crate::Config;
+        const M: u64 = 1 << 20;
+        let d = SimDriver::with_capacity(1 << 30);
+        let cfg = Config::default()
+            .resolve(d.granularity(), d.mem_info().unwrap())
+            .unwrap();
+        let mut e = Engine::new(&d, cfg).unwrap();
+        let (a, b) = (Stream::sim(1), Stream::sim(2));
+        // One run of 256 MiB: 192 MiB live on A, then 64 MiB freed on B while B's work
+        // still uses it (a dirty tail of B's).
+        let p = e.alloc(&d, 256 * M, a).unwrap();
+        e.free(&d, p, a).unwrap();
+        let _x = e.alloc(&d, 192 * M, a).unwrap();
+        let y = e.alloc(&d, 64 * M, b).unwrap();
+        assert_eq!(e.stats.reserved.current, 256 * M, "one run");
+        d.launch(b, y, 64 * M);
+        e.free(&d, y, b).unwrap();
+        e.enter_region();
+        assert!(e.region.range.is_some());
+        e.validate().unwrap();
+        // A asks for 4 MiB: nothing inside the region is A's to use; within 2% above the
+        // 256 MiB peak the region grows by 4 MiB, and A gets it.
+        let q = e.alloc(&d, 4 * M, a).unwrap();
+        assert!(e.region.holds(q, 4 * M), "placed in the region");
+        assert_eq!(e.stats.reserved.current, 260 * M);
+        e.validate().unwrap();
+        d.complete_all();
+        e.teardown(&d);
+        assert!(d.leak_report().is_clean());
+    }
+
     #[test]
     fn holds_is_the_half_open_range() {
         let mut r = LoopRegion::default();
