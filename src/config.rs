@@ -310,6 +310,18 @@ impl Config {
         self
     }
 
+    /// Turn the loop region ([`Config::loop_region`]) on or off.
+    ///
+    /// ```
+    /// use stitch_alloc::Config;
+    /// assert!(Config::default().loop_region);
+    /// assert!(!Config::default().with_loop_region(false).loop_region);
+    /// ```
+    pub fn with_loop_region(mut self, on: bool) -> Self {
+        self.loop_region = on;
+        self
+    }
+
     /// Check every value that does not depend on the device: byte counts at most
     /// [`MAX_BYTES`], sizes that must be positive, a fraction in (0, 1], a growth slack that
     /// is a finite number in [0, [`MAX_RESERVE_SLACK`]], `min_handle <= max_handle`.

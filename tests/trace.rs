@@ -1052,6 +1052,26 @@ fn metered_replay_with(
     (r, (start, meter.totals()), a.stats())
 }
 
+/// Replay `t` with the device `lag` events behind on an allocator over a simulated device
+/// of `capacity` bytes with `cfg`; the report and the allocator.
+fn lagged_replay(
+    t: &Trace,
+    capacity: u64,
+    cfg: Config,
+    lag: usize,
+) -> (stitch_alloc::replay::ReplayReport, Allocator<SimDriver>) {
+    let a = Allocator::new(SimDriver::with_capacity(capacity), cfg).unwrap();
+    let r = replay(
+        t,
+        &a,
+        &ReplayOptions {
+            gpu_lag: lag,
+            ..Default::default()
+        },
+    );
+    (r, a)
+}
+
 /// [`metered_replay_with`] under the default policy with no GPU lag, without the
 /// statistics: the oracle the per-allocation and per-tenth figures are checked on.
 fn metered_replay_span(t: &Trace) -> (stitch_alloc::replay::ReplayReport, MeterSpan) {
@@ -1223,15 +1243,7 @@ fn a_growing_kv_cache_serving_loop_holds_less_than_both_pytorch_models() {
         let default = simulate(&t, Model::PyTorchDefault, cap).ratio;
         let expandable = simulate(&t, Model::PyTorchExpandable, cap).ratio;
         for lag in [0, 1000] {
-            let a = Allocator::new(SimDriver::with_capacity(cap), Config::default()).unwrap();
-            let r = replay(
-                &t,
-                &a,
-                &ReplayOptions {
-                    gpu_lag: lag,
-                    ..Default::default()
-                },
-            );
+            let (r, _) = lagged_replay(&t, cap, Config::default(), lag);
             assert_eq!(r.failed_allocs, 0, "seed {seed} lag {lag}");
             assert!(
                 r.ratio < expandable && r.ratio < default,
@@ -1260,13 +1272,8 @@ fn a_loop_stitching_every_step_is_counted_and_prealloc_ends_it() {
         assert_eq!(r.repeated_stitches, stats.repeated_stitches, "lag {lag}");
         r
     };
-    let no_region = || {
-        let mut c = Config::default();
-        c.loop_region = false;
-        c
-    };
     for lag in [0, 100, 1000] {
-        let r = run(no_region(), lag);
+        let r = run(Config::default().with_loop_region(false), lag);
         assert!(
             r.repeated_stitches >= 8,
             "lag {lag}: {} of {} stitches counted as repeats",
@@ -1306,8 +1313,7 @@ fn the_loop_region_settles_a_loop_that_stitches_every_step() {
             "lag {lag}: driver time in the second half {late:?}"
         );
         assert!(r.ratio <= 1.02, "lag {lag}: ratio {}", r.ratio);
-        let mut off = Config::default();
-        off.loop_region = false;
+        let off = Config::default().with_loop_region(false);
         let (r, _, _) = metered_replay_with(&t, off, lag);
         let late: f64 = r.modeled_driver_us_by_tenth[5..].iter().sum();
         assert!(late > 0.0, "lag {lag}: the loop settled without the region");
@@ -1324,8 +1330,7 @@ fn the_loop_region_leaves_recurring_shapes_as_they_were() {
     let t = read("zoo/bert-encode.pickle.gz").unwrap();
     for lag in [0, 1000] {
         let (on, _, stats) = metered_replay_with(&t, Config::default(), lag);
-        let mut cfg = Config::default();
-        cfg.loop_region = false;
+        let cfg = Config::default().with_loop_region(false);
         let (off, _, _) = metered_replay_with(&t, cfg, lag);
         assert_eq!(on.failed_allocs + off.failed_allocs, 0);
         assert!(stats.loop_region_entries >= 1, "lag {lag}: never entered");
@@ -1359,17 +1364,7 @@ fn the_loop_region_stays_consistent_on_a_loop_it_cannot_settle() {
     }
     let t = Trace::parse_str(&text).unwrap();
     for lag in [0, 100] {
-        let mut cfg = Config::default();
-        cfg.paranoid = true;
-        let a = Allocator::new(SimDriver::with_capacity(1 << 30), cfg).unwrap();
-        let r = replay(
-            &t,
-            &a,
-            &ReplayOptions {
-                gpu_lag: lag,
-                ..Default::default()
-            },
-        );
+        let (r, a) = lagged_replay(&t, 1 << 30, Config::default().with_paranoid(true), lag);
         assert_eq!(r.failed_allocs, 0, "lag {lag}");
         let s = a.stats();
         assert!(s.loop_region_entries >= 2, "lag {lag}: {s:?}");

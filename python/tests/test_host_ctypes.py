@@ -214,26 +214,39 @@ def child_result(libpath, conf, code):
     return json.loads(line[-1][len("RESULT "):])
 
 
-def test_prealloc_through_the_configuration(libpath):
-    """Issue #11 item 3: `prealloc:` creates the pool at the device's first allocation, and a
-    repeated step that fits makes no driver call after warm-up."""
+def step_loop_result(libpath, conf, step, result):
+    """`child_result` of a child that runs `step` (the body of a function `step()`, each line
+    indented four spaces; `lib` and `M` = 1 MiB in scope) once, notes the driver calls in
+    `calls`, runs it ten more times, then prints `result`: a dict expression over `calls`,
+    `m` (`memory_stats(0)`) and `text` (`memory_summary(0)`)."""
     code = (
         "import json, stitch_alloc\n"
         "lib = stitch_alloc.load_library()\n"
-        "def step():\n"
-        "    ps = [lib.stitch_malloc(n << 20, 0, None) for n in (30, 10, 20, 5)]\n"
-        "    assert all(ps)\n"
-        "    for p in ps[::-1]:\n"
-        "        lib.stitch_free(p, 0, 0, None)\n"
-        "step()\n"
+        "M = 1 << 20\n"
+        "def step():\n" + step + "step()\n"
         "calls = stitch_alloc.memory_stats(0)['driver_calls']\n"
         "for _ in range(10):\n"
         "    step()\n"
         "m = stitch_alloc.memory_stats(0)\n"
-        "print('RESULT', json.dumps({'pre': m['preallocated_bytes'], 'calls': calls,\n"
-        "      'after': m['driver_calls']}))\n"
+        "text = stitch_alloc.memory_summary(0)\n"
+        "print('RESULT', json.dumps(" + result + "))\n"
     )
-    res = child_result(libpath, "backend:host,capacity_bytes:256MiB,prealloc:128MiB", code)
+    return child_result(libpath, conf, code)
+
+
+def test_prealloc_through_the_configuration(libpath):
+    """Issue #11 item 3: `prealloc:` creates the pool at the device's first allocation, and a
+    repeated step that fits makes no driver call after warm-up."""
+    step = (
+        "    ps = [lib.stitch_malloc(n * M, 0, None) for n in (30, 10, 20, 5)]\n"
+        "    assert all(ps)\n"
+        "    for p in ps[::-1]:\n"
+        "        lib.stitch_free(p, 0, 0, None)\n"
+    )
+    result = "{'pre': m['preallocated_bytes'], 'calls': calls, 'after': m['driver_calls']}"
+    res = step_loop_result(
+        libpath, "backend:host,capacity_bytes:256MiB,prealloc:128MiB", step, result
+    )
     assert res["pre"] == 128 << 20
     assert res["after"] == res["calls"], res
 
@@ -356,11 +369,7 @@ def test_repeated_stitches_show_a_loop_stitching_every_step(libpath):
     The loop region (on by default) cannot settle this step within 2% of its peak: it is
     entered and left, with waits that double, and the step goes on stitching; the exact
     counts are checked with it off."""
-    code = (
-        "import json, stitch_alloc\n"
-        "lib = stitch_alloc.load_library()\n"
-        "M = 1 << 20\n"
-        "def step():\n"
+    step = (
         "    xs = [lib.stitch_malloc(4 * M, 0, None) for _ in range(4)]\n"
         "    assert all(xs)\n"
         "    lib.stitch_free(xs[0], 0, 0, None)\n"
@@ -369,20 +378,17 @@ def test_repeated_stitches_show_a_loop_stitching_every_step(libpath):
         "    assert y\n"
         "    for p in (xs[1], xs[3], y):\n"
         "        lib.stitch_free(p, 0, 0, None)\n"
-        "step()\n"
-        "calls = stitch_alloc.memory_stats(0)['driver_calls']\n"
-        "for _ in range(10):\n"
-        "    step()\n"
-        "m = stitch_alloc.memory_stats(0)\n"
-        "text = stitch_alloc.memory_summary(0)\n"
-        "print('RESULT', json.dumps({'stitches': m['stitches'], 'calls': calls,\n"
-        "      'repeated': m['repeated_stitches'], 'after': m['driver_calls'],\n"
-        "      'entries': m['loop_region_entries'], 'exits': m['loop_region_exits'],\n"
-        "      'summary': 'repeated stitches 10:' in text and 'prealloc:17MiB' in text}))\n"
+    )
+    result = (
+        "{'stitches': m['stitches'], 'calls': calls, 'repeated': m['repeated_stitches'],"
+        " 'after': m['driver_calls'], 'entries': m['loop_region_entries'],"
+        " 'exits': m['loop_region_exits'],"
+        " 'summary': 'repeated stitches 10:' in text and 'prealloc:17MiB' in text}"
     )
 
     def run(conf):
-        return child_result(libpath, "backend:host,capacity_bytes:256MiB,log:off" + conf, code)
+        conf = "backend:host,capacity_bytes:256MiB,log:off" + conf
+        return step_loop_result(libpath, conf, step, result)
 
     res = run(",loop_region:false")
     assert res["stitches"] == 11, res

@@ -791,7 +791,7 @@ impl Engine {
 
 #[cfg(test)]
 mod tests {
-    use crate::driver::{Driver, SimDriver, Stream};
+    use crate::driver::Stream;
     use crate::engine::Engine;
     use crate::Config;
 
@@ -799,11 +799,7 @@ mod tests {
     /// refer to: one dropped from its list without a destroy (a leaked `CUevent`) fails it.
     #[test]
     fn validate_catches_an_event_dropped_without_a_destroy() {
-        let d = SimDriver::with_capacity(64 << 20);
-        let r = Config::default()
-            .resolve(d.granularity(), d.mem_info().unwrap())
-            .unwrap();
-        let mut e = Engine::new(&d, r).unwrap();
+        let (d, mut e) = Engine::on_sim(64 << 20, &Config::default());
         let (s1, s2) = (Stream::sim(1), Stream::sim(2));
         let p = e.alloc(&d, 4 << 20, s1).unwrap();
         e.record_stream(p, s2).unwrap();

@@ -133,6 +133,16 @@ impl Engine {
         Ok(e)
     }
 
+    /// An engine over a simulated device of `capacity` bytes with `cfg`, and the device
+    /// (the engine's unit tests).
+    #[cfg(test)]
+    pub(crate) fn on_sim(capacity: u64, cfg: &crate::Config) -> (crate::driver::SimDriver, Self) {
+        let d = crate::driver::SimDriver::with_capacity(capacity);
+        let r = cfg.resolve(d.granularity(), d.mem_info().unwrap()).unwrap();
+        let e = Engine::new(&d, r).unwrap();
+        (d, e)
+    }
+
     /// Create and map `cfg.prealloc` bytes as one clean free span of the large pool. On any
     /// failure everything is given back and the error returned.
     fn preallocate<D: Driver + ?Sized>(&mut self, d: &D) -> Result<()> {

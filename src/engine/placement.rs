@@ -150,7 +150,7 @@ fn offset_by_handle_lookup(arena: &Arena, handles: &Handles, i: u32, rsize: u64)
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::driver::{Driver, SimDriver, Stream};
+    use crate::driver::Stream;
     use crate::engine::Engine;
     use crate::{Config, Pool};
 
@@ -163,13 +163,11 @@ mod tests {
     /// would not test it.
     #[test]
     fn the_early_answer_agrees_with_the_handle_lookup() {
-        let d = SimDriver::with_capacity(4 << 30);
         let mut cfg = Config::default().with_contiguous(true);
         cfg.handle_divisor = 16;
         cfg.max_handle = 8 * M;
-        let r = cfg.resolve(d.granularity(), d.mem_info().unwrap()).unwrap();
-        let g = r.granularity;
-        let mut e = Engine::new(&d, r).unwrap();
+        let (d, mut e) = Engine::on_sim(4 << 30, &cfg);
+        let g = e.cfg.granularity;
         let s = Stream::DEFAULT;
         let mut live: Vec<u64> = Vec::new();
         let mut x = 0x2545_f491_4f6c_dd1du64;

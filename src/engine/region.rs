@@ -229,14 +229,10 @@ mod tests {
     /// then found no block for the request it had just grown for: a panic).
     #[test]
     fn extending_past_another_streams_dirty_tail_serves_the_requesting_stream() {
-        use crate::driver::{Driver, SimDriver, Stream};
+        use crate::driver::Stream;
         use crate::Config;
         const M: u64 = 1 << 20;
-        let d = SimDriver::with_capacity(1 << 30);
-        let cfg = Config::default()
-            .resolve(d.granularity(), d.mem_info().unwrap())
-            .unwrap();
-        let mut e = Engine::new(&d, cfg).unwrap();
+        let (d, mut e) = Engine::on_sim(1 << 30, &Config::default());
         let (a, b) = (Stream::sim(1), Stream::sim(2));
         // One run of 256 MiB: 192 MiB live on A, then 64 MiB freed on B while B's work
         // still uses it (a dirty tail of B's).

@@ -71,9 +71,7 @@ fn resolved(cfg: &Config) -> Resolved {
 }
 
 fn engine(cfg: Config) -> (SimDriver, Engine) {
-    let d = device();
-    let e = Engine::new(&d, resolved(&cfg)).unwrap();
-    (d, e)
+    Engine::on_sim(64 * M, &cfg)
 }
 
 fn plan(e: &Engine, pool: Pool, rsize: u64) -> Plan {
