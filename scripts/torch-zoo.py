@@ -474,6 +474,186 @@ def w_gpt2_accum(torch, rng, quick):
     return {"losses": losses, "_keep": (model, opt)}
 
 
+# ---------------------------------------------------------------------------------------
+# The second holdout set (sixteenth session, 2026-12-03): four more kinds, written and run
+# once through torch after the policy of e0a3e3d was fixed, never used to tune it. Run them
+# with `--workloads holdout2`.
+
+def _unet(torch, ch):
+    """A latent-diffusion style UNet (plain torch): residual conv blocks with GroupNorm at four
+    resolutions, self-attention at the two lowest, skip connections by concatenation."""
+    nn, F = torch.nn, torch.nn.functional
+
+    class Block(nn.Module):
+        def __init__(self, cin, cout):
+            super().__init__()
+            self.n1, self.c1 = nn.GroupNorm(32, cin), nn.Conv2d(cin, cout, 3, padding=1)
+            self.n2, self.c2 = nn.GroupNorm(32, cout), nn.Conv2d(cout, cout, 3, padding=1)
+            self.skip = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()
+
+        def forward(self, x):
+            h = self.c1(F.silu(self.n1(x)))
+            return self.c2(F.silu(self.n2(h))) + self.skip(x)
+
+    class Attn(nn.Module):
+        def __init__(self, c):
+            super().__init__()
+            self.n, self.qkv, self.o, self.h = (nn.GroupNorm(32, c), nn.Conv2d(c, 3 * c, 1),
+                                                nn.Conv2d(c, c, 1), c // 64)
+
+        def forward(self, x):
+            b, c, hh, ww = x.shape
+            qkv = self.qkv(self.n(x)).reshape(b, 3, self.h, c // self.h, hh * ww)
+            q, k, v = qkv.transpose(-1, -2).unbind(1)
+            y = F.scaled_dot_product_attention(q, k, v)
+            return x + self.o(y.transpose(-1, -2).reshape(b, c, hh, ww))
+
+    class UNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            mult = [ch, ch * 2, ch * 4, ch * 4]
+            self.inp, self.out = nn.Conv2d(4, ch, 3, padding=1), nn.Conv2d(ch, 4, 3, padding=1)
+            self.down, self.up = nn.ModuleList(), nn.ModuleList()
+            c = ch
+            for i, co in enumerate(mult):
+                self.down.append(nn.ModuleList(
+                    [Block(c, co), Block(co, co), Attn(co) if i >= 2 else nn.Identity()]))
+                c = co
+            self.mid = nn.ModuleList([Block(c, c), Attn(c), Block(c, c)])
+            for i, co in reversed(list(enumerate(mult))):
+                self.up.append(nn.ModuleList(
+                    [Block(c + co, co), Block(co, co), Attn(co) if i >= 2 else nn.Identity()]))
+                c = co
+
+        def forward(self, x):
+            h, skips = self.inp(x), []
+            for i, (b1, b2, a) in enumerate(self.down):
+                h = a(b2(b1(h)))
+                skips.append(h)
+                if i < len(self.down) - 1:
+                    h = F.avg_pool2d(h, 2)
+            for m in self.mid:
+                h = m(h)
+            for i, (b1, b2, a) in enumerate(self.up):
+                h = a(b2(b1(torch.cat([h, skips.pop()], 1))))
+                if i < len(self.up) - 1:
+                    h = F.interpolate(h, scale_factor=2.0, mode="nearest")
+            return self.out(h)
+
+    return UNet()
+
+
+def w_unet_denoise(torch, rng, quick):
+    """Diffusion sampling: a UNet (fp16) denoising latents of a resolution and batch that
+    change per request, 20 steps each, classifier-free guidance (the batch doubled)."""
+    model = _unet(torch, 64 if quick else 128).cuda().half().eval()
+    images = 0
+    with torch.inference_mode():
+        for _ in range(2 if quick else 10):
+            lat, b = rng.choice([32, 48, 64, 80, 96]), rng.choice([1, 2, 4, 8])
+            x = torch.randn(b, 4, lat, lat, device="cuda", dtype=torch.float16)
+            for _ in range(3 if quick else 20):
+                cond, uncond = model(torch.cat([x, x])).chunk(2)
+                x = x - 0.05 * (uncond + 7.5 * (cond - uncond))
+                del cond, uncond
+            images += b
+            del x
+    return {"images": images, "_keep": model}
+
+
+def w_static_generate(torch, rng, quick):
+    """HF `generate` with a static KV cache (`cache_implementation="static"`: the cache is
+    allocated whole for prompt + new tokens, per call), varying batch and lengths."""
+    model = _llama(torch, 2 if quick else 6, 2048, torch.bfloat16).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    tokens = 0
+    with torch.inference_mode():
+        for _ in range(3 if quick else 10):
+            b = rng.choice([1, 2, 4, 8, 16])
+            p, n = rng.randint(16, 768), rng.randint(16, 32 if quick else 96)
+            ids = torch.randint(3, 32000, (b, p), device="cuda")
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                 max_new_tokens=n, do_sample=False, use_cache=True,
+                                 cache_implementation="static")
+            tokens += (out.shape[1] - p) * b
+            del out, ids
+    return {"tokens": tokens, "_keep": model}
+
+
+def w_side_stream(torch, rng, quick):
+    """Training with a prefetching side stream, as data loaders with `non_blocking` copies
+    do: each batch is copied from pinned host memory and augmented on a second stream,
+    handed to the main stream with `wait_stream` + `record_stream`; batch size varies."""
+    nn = torch.nn
+    width = 1024 if quick else 4096
+    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(width, 2 * width),
+                                                          nn.GELU(),
+                                                          nn.Linear(2 * width, width))]).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    side = torch.cuda.Stream()
+    main = torch.cuda.current_stream()
+    host = [torch.randn(4096, width).pin_memory() for _ in range(2)]
+
+    def fetch(i):
+        b = rng.randint(256, 4096)
+        with torch.cuda.stream(side):
+            x = host[i % 2][:b].to("cuda", non_blocking=True)
+            x = x * torch.rand_like(x) + 0.1 * torch.randn_like(x)
+        return x
+
+    losses = []
+    nxt = fetch(0)
+    for i in range(4 if quick else 24):
+        main.wait_stream(side)
+        x = nxt
+        x.record_stream(main)
+        nxt = fetch(i + 1)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = (model(x).float() - x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(round(loss.detach().float().item(), 4))
+        del x, loss
+    del nxt
+    return {"losses": losses, "_keep": (model, opt)}
+
+
+def w_gnn(torch, rng, quick):
+    """A three-layer graph convolution network trained on random graphs whose node and edge
+    counts change every step (message passing with `index_add_`)."""
+    nn = torch.nn
+    feat, hidden = 256, 256
+    layers = nn.ModuleList([nn.Linear(feat, hidden), nn.Linear(hidden, hidden),
+                            nn.Linear(hidden, 64)]).cuda()
+    opt = torch.optim.Adam(layers.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(4 if quick else 24):
+        n = rng.randint(20_000, 60_000 if quick else 200_000)
+        e = n * rng.randint(4, 16)
+        src = torch.randint(0, n, (e,), device="cuda")
+        dst = torch.randint(0, n, (e,), device="cuda")
+        deg = torch.zeros(n, device="cuda").index_add_(0, dst, torch.ones(e, device="cuda"))
+        norm = (deg.clamp(min=1) ** -0.5)
+        h = torch.randn(n, feat, device="cuda")
+        for k, lin in enumerate(layers):
+            h = lin(h)
+            msg = h[src] * (norm[src] * norm[dst]).unsqueeze(1)
+            h = torch.zeros_like(h).index_add_(0, dst, msg)
+            if k < len(layers) - 1:
+                h = torch.relu(h)
+            del msg
+        y = torch.randint(0, 64, (n,), device="cuda")
+        loss = nn.functional.cross_entropy(h, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(round(loss.detach().float().item(), 4))
+        del src, dst, deg, norm, h, y, loss
+    return {"losses": losses, "_keep": (layers, opt)}
+
+
 WORKLOADS = {
     "llm-train-s": (w_llm_train_s, "training"),
     "llm-train-ckpt": (w_llm_train_ckpt, "training"),
@@ -496,6 +676,13 @@ HOLDOUT = {
     "gpt2-accum": (w_gpt2_accum, "training"),
 }
 WORKLOADS.update(HOLDOUT)
+HOLDOUT2 = {
+    "unet-denoise": (w_unet_denoise, "inference"),
+    "static-generate": (w_static_generate, "inference"),
+    "side-stream": (w_side_stream, "training"),
+    "gnn": (w_gnn, "training"),
+}
+WORKLOADS.update(HOLDOUT2)
 
 # ---------------------------------------------------------------------------------------
 # The child: one workload under one allocator.
@@ -838,8 +1025,8 @@ def speed_interval(ref, runs, resamples=4000):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workloads", default=",".join(ZOO),
-                   help="comma-separated names; `zoo` (the default) and `holdout` name the "
-                        "two sets")
+                   help="comma-separated names; `zoo` (the default), `holdout` and `holdout2` "
+                        "name the three sets")
     p.add_argument("--configs", default="default,expandable,stitch")
     p.add_argument("--out", default="zoo")
     p.add_argument("--record", action="store_true",
@@ -868,11 +1055,11 @@ def main(argv=None):
     a.out = os.path.abspath(a.out)
     if a.list:
         for w, (fn, kind) in WORKLOADS.items():
-            print(f"{w:16} {kind}{'  (holdout)' if w in HOLDOUT else ''}")
+            print(f"{w:16} {kind}{'  (holdout)' if w in HOLDOUT or w in HOLDOUT2 else ''}")
         return 0
     if a.child:
         return child(a)
-    sets = {"zoo": ZOO, "holdout": list(HOLDOUT)}
+    sets = {"zoo": ZOO, "holdout": list(HOLDOUT), "holdout2": list(HOLDOUT2)}
     ws = [x for w in a.workloads.split(",") if w for x in sets.get(w, [w])]
     cs = [c for c in a.configs.split(",") if c]
     for w in ws:
