@@ -946,6 +946,54 @@ fn cli_demo_runs() {
     assert!(text.contains("What you are looking at"));
 }
 
+/// The demo quotes the real workloads' figures measured on the H200 (`tests/data/zoo/h200.json`)
+/// beside each shipped snapshot replayed on the simulated H200, and the replayed ratio is the
+/// one `stitch replay` gives for the same snapshot; a folder without the figures is named in
+/// the text, not an error.
+#[test]
+fn cli_demo_quotes_the_zoo_beside_its_replays() {
+    let dir = data("zoo");
+    let d = json(&[
+        "demo",
+        "--backend",
+        "sim",
+        "--json",
+        "--zoo",
+        dir.to_str().unwrap(),
+    ]);
+    let rows = d["zoo"]["workloads"].as_array().expect("zoo rows");
+    assert_eq!(rows.len(), 11, "{}", d["zoo"]);
+    let mut replayed = 0;
+    for r in rows {
+        let w = r["workload"].as_str().unwrap();
+        for k in [
+            "h200_pytorch_default",
+            "h200_expandable_segments",
+            "h200_stitch_alloc",
+        ] {
+            assert!(r[k].as_f64().unwrap() >= 1.0, "{w} {k}");
+        }
+        let snap = dir.join(format!("{w}.pickle.gz"));
+        if !snap.exists() {
+            assert!(r["replay_lag0"].is_null(), "{w}");
+            continue;
+        }
+        replayed += 1;
+        for (lag, key) in [("0", "replay_lag0"), ("1000", "replay_lag1000")] {
+            let alone = json(&["replay", snap.to_str().unwrap(), "--json", "--gpu-lag", lag]);
+            let (a, b) = (r[key].as_f64().unwrap(), alone["ratio"].as_f64().unwrap());
+            assert!((a - b).abs() < 1e-12, "{w} lag {lag}: demo {a}, replay {b}");
+        }
+    }
+    assert_eq!(replayed, 10);
+    let empty = tmp("no-zoo");
+    std::fs::create_dir_all(&empty).unwrap();
+    let out = stitch(&["demo", "--backend", "sim", "--zoo", empty.to_str().unwrap()]);
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("real PyTorch workloads skipped"), "{text}");
+}
+
 /// The demo's checkerboard fills a device-sized host backend (139.8 GiB, one open file per
 /// handle) without a failed allocation, and its table says how many failed. Before the host
 /// backend reported its handle limit, the fill ran out of open files (147 failed

@@ -183,6 +183,28 @@ struct AllocArgs {
 }
 
 impl AllocArgs {
+    /// Every flag at its default on `backend`, stitching on or off (the demo's runs).
+    fn defaults(backend: Backend, stitching: bool) -> Self {
+        AllocArgs {
+            backend,
+            capacity: None,
+            no_stitch: !stitching,
+            small_threshold: None,
+            min_handle: None,
+            max_handle: None,
+            handle_divisor: None,
+            split_min: None,
+            no_recreate: false,
+            no_loop_region: false,
+            contiguous: false,
+            no_contiguous: false,
+            reserve_slack: None,
+            reserve_slack_min: None,
+            prealloc: None,
+            paranoid: false,
+        }
+    }
+
     /// The allocator's configuration: the defaults, with each flag given set. The capacity
     /// limits the allocator on a real GPU only (on sim and host it sizes the device).
     fn config(&self, on_cuda: bool) -> Config {
@@ -300,6 +322,11 @@ struct DemoArgs {
     #[arg(long, default_value = "auto", value_parser = backend_parser(
         "CUDA device 0 when a usable GPU and driver are found, else host memory sized like an H200"))]
     backend: Backend,
+    /// The folder of real PyTorch snapshots replayed after the two generated workloads, with
+    /// `h200.json` beside them (the figures measured through torch on the H200). Default:
+    /// the repository's `tests/data/zoo`.
+    #[arg(long)]
+    zoo: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -1001,24 +1028,7 @@ fn demo_backend(backend: Backend) -> Backend {
 }
 
 fn demo_run(t: &Trace, stitching: bool, backend: Backend) -> Result<ReplayReport, String> {
-    let b = build(&AllocArgs {
-        backend,
-        capacity: None,
-        no_stitch: !stitching,
-        small_threshold: None,
-        min_handle: None,
-        max_handle: None,
-        handle_divisor: None,
-        split_min: None,
-        no_recreate: false,
-        no_loop_region: false,
-        contiguous: false,
-        no_contiguous: false,
-        reserve_slack: None,
-        reserve_slack_min: None,
-        prealloc: None,
-        paranoid: false,
-    })?;
+    let b = build(&AllocArgs::defaults(backend, stitching))?;
     let map = stream_map(&b, t)?;
     let opts = ReplayOptions {
         meter: Some(b.meter.clone()),
@@ -1029,6 +1039,89 @@ fn demo_run(t: &Trace, stitching: bool, backend: Backend) -> Result<ReplayReport
     r.stitching = Some(stitching);
     b.alloc.shutdown();
     Ok(r)
+}
+
+/// One real workload of the demo's zoo section: its snapshot replayed on the simulated H200
+/// at GPU lags 0 and 1000 (`None` when the snapshot is not shipped), and the figures measured
+/// through torch on the H200 that `h200.json` records for it.
+#[derive(serde::Serialize)]
+struct ZooRow {
+    workload: String,
+    kind: String,
+    replay_lag0: Option<f64>,
+    replay_lag1000: Option<f64>,
+    h200_pytorch_default: f64,
+    h200_expandable_segments: f64,
+    h200_stitch_alloc: f64,
+}
+
+/// The demo's zoo section: every workload `dir/h200.json` lists, its snapshot (when present)
+/// replayed through stitch-alloc's default configuration on the simulated H200 (the CPU
+/// backends' own handle limits would change the handle sizes, see `Driver::handle_limit`).
+fn demo_zoo(dir: &std::path::Path) -> Result<(Vec<ZooRow>, serde_json::Value), String> {
+    let path = dir.join("h200.json");
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let doc: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    let Some(list) = doc["workloads"].as_object() else {
+        return Err(format!("{}: no \"workloads\" object", path.display()));
+    };
+    let figure = |w: &str, v: &serde_json::Value, k: &str| {
+        v[k].as_f64()
+            .filter(|x| x.is_finite() && *x >= 1.0)
+            .ok_or_else(|| format!("{}: {w}: no ratio \"{k}\" of at least 1", path.display()))
+    };
+    let mut rows = Vec::new();
+    for (w, v) in list {
+        let snap = dir.join(format!("{w}.pickle.gz"));
+        let (lag0, lag1000) = if snap.exists() {
+            let t = trace::read_path(&snap, ReadOptions::default())
+                .map_err(|e| format!("{}: {e}", snap.display()))?;
+            let run = |lag: usize| -> Result<f64, String> {
+                let b = build(&AllocArgs::defaults(Backend::Sim, true))?;
+                let opts = ReplayOptions {
+                    meter: Some(b.meter.clone()),
+                    streams: stream_map(&b, &t)?,
+                    gpu_lag: lag,
+                    skip_stranded: true,
+                    ..Default::default()
+                };
+                let r = replay(&t, &b.alloc, &opts);
+                b.alloc.shutdown();
+                match r.first_error {
+                    None => Ok(r.ratio),
+                    Some(e) => Err(format!("{}: {e}", snap.display())),
+                }
+            };
+            (Some(run(0)?), Some(run(1000)?))
+        } else {
+            (None, None)
+        };
+        rows.push(ZooRow {
+            workload: w.clone(),
+            kind: v["kind"].as_str().unwrap_or("").to_string(),
+            replay_lag0: lag0,
+            replay_lag1000: lag1000,
+            h200_pytorch_default: figure(w, v, "pytorch_default")?,
+            h200_expandable_segments: figure(w, v, "expandable_segments")?,
+            h200_stitch_alloc: figure(w, v, "stitch_alloc")?,
+        });
+    }
+    let sources = serde_json::json!({
+        "pytorch": doc["pytorch_source"], "stitch_alloc": doc["stitch_alloc_source"]
+    });
+    Ok((rows, sources))
+}
+
+/// The geometric mean of `v` (1.0 when empty).
+fn geomean(v: impl Iterator<Item = f64>) -> f64 {
+    let (sum, n) = v.fold((0.0, 0u32), |(s, n), x| (s + x.ln(), n + 1));
+    if n == 0 {
+        1.0
+    } else {
+        (sum / f64::from(n)).exp()
+    }
 }
 
 fn cmd_demo(a: &DemoArgs) -> Result<(), String> {
@@ -1062,12 +1155,22 @@ fn cmd_demo(a: &DemoArgs) -> Result<(), String> {
         sim(&cb, models::Model::PyTorchDefault),
         sim(&cb, models::Model::PyTorchExpandable),
     );
+    let zoo_dir = a
+        .zoo
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/zoo")));
+    let zoo = demo_zoo(&zoo_dir);
     if a.json {
+        let zoo = match &zoo {
+            Ok((rows, sources)) => serde_json::json!({ "workloads": rows, "sources": sources }),
+            Err(e) => serde_json::json!({ "error": e }),
+        };
         let v = serde_json::json!({
             "llm": { "stitching_on": l_on, "stitching_off": l_off,
                      "pytorch_default_model": l_def, "pytorch_expandable_model": l_exp },
             "checkerboard": { "stitching_on": c_on, "stitching_off": c_off,
                               "pytorch_default_model": c_def, "pytorch_expandable_model": c_exp },
+            "zoo": zoo,
         });
         out!("{v}");
         return Ok(());
@@ -1175,11 +1278,64 @@ fn cmd_demo(a: &DemoArgs) -> Result<(), String> {
         "(Stitching off is stitch-alloc's own baseline: it releases free memory and re-creates it instead of \
          remapping it, which costs more driver time and lets another process take the memory in between.)"
     );
+    out!();
+    match &zoo {
+        Ok((rows, sources)) => demo_zoo_table(rows, sources),
+        Err(e) => out!("(real PyTorch workloads skipped: {e}; name the folder with --zoo)"),
+    }
     out!(
         "({} s of wall time)",
         format_args!("{:.2}", t0.elapsed().as_secs_f64())
     );
     Ok(())
+}
+
+/// The demo's table of real workloads (see [`demo_zoo`]).
+fn demo_zoo_table(rows: &[ZooRow], sources: &serde_json::Value) {
+    out!("Real PyTorch workloads: peak reserved / peak requested, measured through torch on an H200, and the");
+    out!("shipped snapshots (PyTorch default's allocation history) replayed here on the simulated H200 at GPU lags 0 / 1000.");
+    out!();
+    out!(
+        "{:<16} {:<10} {:>15} {:>15} {:>15} {:>18}",
+        "workload",
+        "kind",
+        "PyTorch default",
+        "expandable",
+        "stitch-alloc",
+        "replayed here"
+    );
+    let f = |x: Option<f64>| x.map_or_else(|| "-".to_string(), |x| format!("{x:.4}"));
+    for r in rows {
+        out!(
+            "{:<16} {:<10} {:>15.4} {:>15.4} {:>15.4} {:>18}",
+            r.workload,
+            r.kind,
+            r.h200_pytorch_default,
+            r.h200_expandable_segments,
+            r.h200_stitch_alloc,
+            match (r.replay_lag0, r.replay_lag1000) {
+                (Some(a), Some(b)) => format!("{} / {}", f(Some(a)), f(Some(b))),
+                _ => "not shipped".to_string(),
+            }
+        );
+    }
+    let below = rows
+        .iter()
+        .filter(|r| r.h200_stitch_alloc < r.h200_expandable_segments)
+        .count();
+    out!(
+        "{:<27} {:>15.4} {:>15.4} {:>15.4}",
+        "geometric mean",
+        geomean(rows.iter().map(|r| r.h200_pytorch_default)),
+        geomean(rows.iter().map(|r| r.h200_expandable_segments)),
+        geomean(rows.iter().map(|r| r.h200_stitch_alloc))
+    );
+    out!(
+        "stitch-alloc holds less than expandable segments on {below} of {} (sources: {}; {}).",
+        rows.len(),
+        sources["pytorch"].as_str().unwrap_or("?"),
+        sources["stitch_alloc"].as_str().unwrap_or("?")
+    );
 }
 
 fn main() -> ExitCode {
