@@ -654,6 +654,70 @@ def w_gnn(torch, rng, quick):
     return {"losses": losses, "_keep": (layers, opt)}
 
 
+
+def _one_rank_group(torch):
+    """A one-process NCCL process group (rank 0 of 1, a file store), as a single-GPU run of
+    a distributed training script has."""
+    import tempfile as _tf
+
+    import torch.distributed as dist
+
+    torch.cuda.set_device(0)
+    fd, path = _tf.mkstemp(prefix="zoo-pg-")
+    os.close(fd)
+    os.unlink(path)
+    dist.init_process_group("nccl", init_method=f"file://{path}", rank=0, world_size=1)
+    return dist
+
+
+def _train_distributed(torch, rng, wrap, steps):
+    dist = _one_rank_group(torch)
+    try:
+        model, _ = llm_model(torch, 8, 1024)
+        model = wrap(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        losses = []
+        for _ in range(steps):
+            b, s = rng.randint(1, 12), rng.randint(64, 1024)
+            ids = torch.randint(3, 32000, (b, s), device="cuda")
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(round(loss.detach().float().item(), 4))
+            del ids, loss
+        torch.cuda.synchronize()
+        return {"losses": losses, "_keep": (model, opt)}
+    finally:
+        dist.destroy_process_group()
+
+
+def w_fsdp(torch, rng, quick):
+    """FSDP2 (`fully_shard` per decoder layer and at the root, bf16 parameters, fp32
+    reductions) on a one-rank NCCL group: all-gathers and reduce-scatters on their own
+    streams, varying batch x sequence."""
+    def wrap(model):
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in model.model.layers:
+            fully_shard(layer, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+        return model
+
+    return _train_distributed(torch, rng, wrap, 3 if quick else 12)
+
+
+def w_ddp(torch, rng, quick):
+    """DistributedDataParallel on a one-rank NCCL group (gradient buckets, bucket views),
+    bf16 autocast, varying batch x sequence."""
+    def wrap(model):
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=[0])
+
+    return _train_distributed(torch, rng, wrap, 3 if quick else 12)
+
+
 WORKLOADS = {
     "llm-train-s": (w_llm_train_s, "training"),
     "llm-train-ckpt": (w_llm_train_ckpt, "training"),
@@ -683,6 +747,11 @@ HOLDOUT2 = {
     "gnn": (w_gnn, "training"),
 }
 WORKLOADS.update(HOLDOUT2)
+HOLDOUT3 = {
+    "fsdp": (w_fsdp, "training"),
+    "ddp": (w_ddp, "training"),
+}
+WORKLOADS.update(HOLDOUT3)
 
 # ---------------------------------------------------------------------------------------
 # The child: one workload under one allocator.
@@ -1025,8 +1094,8 @@ def speed_interval(ref, runs, resamples=4000):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workloads", default=",".join(ZOO),
-                   help="comma-separated names; `zoo` (the default), `holdout` and `holdout2` "
-                        "name the three sets")
+                   help="comma-separated names; `zoo` (the default), `holdout`, `holdout2` and "
+                        "`holdout3` name the four sets")
     p.add_argument("--configs", default="default,expandable,stitch")
     p.add_argument("--out", default="zoo")
     p.add_argument("--record", action="store_true",
@@ -1055,11 +1124,12 @@ def main(argv=None):
     a.out = os.path.abspath(a.out)
     if a.list:
         for w, (fn, kind) in WORKLOADS.items():
-            print(f"{w:16} {kind}{'  (holdout)' if w in HOLDOUT or w in HOLDOUT2 else ''}")
+            print(f"{w:16} {kind}{'  (holdout)' if w in HOLDOUT or w in HOLDOUT2 or w in HOLDOUT3 else ''}")
         return 0
     if a.child:
         return child(a)
-    sets = {"zoo": ZOO, "holdout": list(HOLDOUT), "holdout2": list(HOLDOUT2)}
+    sets = {"zoo": ZOO, "holdout": list(HOLDOUT), "holdout2": list(HOLDOUT2),
+            "holdout3": list(HOLDOUT3)}
     ws = [x for w in a.workloads.split(",") if w for x in sets.get(w, [w])]
     cs = [c for c in a.configs.split(",") if c]
     for w in ws:
