@@ -1,24 +1,73 @@
 //! Where the excess of peak reserved over peak live sits at the peak: replay a trace (with a
 //! simulated GPU lag) and classify every free byte of the large pool that lies in a handle
 //! holding live bytes, by where its free block sits in its run.
-//! `cargo run --release --example breakdown -- TRACE [GPU_LAG] [runs]`; with `runs`, each
-//! large run at the peak too: the VA gap before it and its blocks in order, `l` live, `p`
-//! pending, `f` free, `d` dirty (freed by a stream, not yet fenced), in MiB.
+//! `cargo run --release --example breakdown -- TRACE [GPU_LAG] [runs] [live-peak] [growth]`;
+//! with `runs`, each large run at the peak too: the VA gap before it and its blocks in order,
+//! `l` live, `p` pending, `f` free, `d` dirty (freed by a stream, not yet fenced), in MiB.
+//! The layout is the one when reserved last reached its peak; with `live-peak`, the one right
+//! after the event at which live bytes peak (reserved can reach its peak later, at lower live
+//! bytes, when little is stranded). With `growth`, every event at which reserved grew: the
+//! request, its stream, live bytes, the peak of live bytes so far and reserved after it.
 use stitch_alloc::driver::SimDriver;
 use stitch_alloc::replay::{replay, ReplayOptions};
-use stitch_alloc::trace::{read_path, ReadOptions};
+use stitch_alloc::trace::{read_path, Event, ReadOptions};
 use stitch_alloc::{Allocator, Config, Pool};
 
 fn main() {
     let mut args = std::env::args().skip(1);
     let path = args.next().expect("TRACE");
     let lag: usize = args.next().map_or(1000, |v| v.parse().unwrap());
-    let list_runs = args.next().as_deref() == Some("runs");
+    let words: Vec<String> = args.collect();
+    let has = |w: &str| words.iter().any(|x| x == w);
+    let list_runs = has("runs");
     let t = read_path(&path, ReadOptions::default()).expect("trace");
+    let m = |x: u64| x as f64 / (1u64 << 20) as f64;
+    // A first pass for the timeline: where live bytes peak, and where reserved grows.
+    let stop_after = if has("live-peak") || has("growth") {
+        let a = Allocator::new(SimDriver::new(), Config::default()).unwrap();
+        let opts = ReplayOptions {
+            gpu_lag: lag,
+            timeline: true,
+            skip_stranded: true,
+            ..Default::default()
+        };
+        let tl = replay(&t, &a, &opts).timeline.expect("a timeline");
+        if has("growth") {
+            let (mut before, mut peak) = (0u64, 0u64);
+            for (i, (&live, &reserved)) in tl.live.iter().zip(&tl.reserved).enumerate() {
+                peak = peak.max(live);
+                if reserved > before {
+                    let req = match t.events.get(i) {
+                        Some(Event::Alloc { bytes, stream, .. }) => {
+                            format!("alloc {:.2} MiB on stream {stream}", m(*bytes))
+                        }
+                        Some(e) => format!("{e:?}"),
+                        None => String::from("-"),
+                    };
+                    println!(
+                        "  event {i}: {req}; live {:.0} MiB (peak so far {:.0}), reserved {:.0} MiB (+{:.0})",
+                        m(live),
+                        m(peak),
+                        m(reserved),
+                        m(reserved - before)
+                    );
+                    before = reserved;
+                }
+            }
+        }
+        let peak = tl.live.iter().copied().max().unwrap_or(0);
+        has("live-peak")
+            .then(|| tl.live.iter().position(|&x| x == peak))
+            .flatten()
+            .map(|i| i + 1)
+    } else {
+        None
+    };
     let a = Allocator::new(SimDriver::new(), Config::default()).unwrap();
     let opts = ReplayOptions {
         gpu_lag: lag,
         peak_layout: true,
+        stop_after,
         ..Default::default()
     };
     let r = replay(&t, &a, &opts);
@@ -61,7 +110,6 @@ fn main() {
             cat[c].1 += 1;
         }
     }
-    let m = |x: u64| x as f64 / (1u64 << 20) as f64;
     let d = &l.detailed;
     println!(
         "{path}: ratio {:.4}, excess {:.0} MiB; large runs {}; stranded tails <granule {:.0} MiB ({}), >=granule {:.0} MiB ({}), heads {:.0} MiB ({}), holes {:.0} MiB ({}); small pages {:.0} MiB; rounding {:.1} MiB; free handles {:.0} MiB",
