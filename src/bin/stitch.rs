@@ -1304,7 +1304,6 @@ fn demo_zoo_table(rows: &[ZooRow], sources: &serde_json::Value) {
         "stitch-alloc",
         "replayed here"
     );
-    let f = |x: Option<f64>| x.map_or_else(|| "-".to_string(), |x| format!("{x:.4}"));
     for r in rows {
         out!(
             "{:<16} {:<10} {:>15.4} {:>15.4} {:>15.4} {:>18}",
@@ -1314,7 +1313,7 @@ fn demo_zoo_table(rows: &[ZooRow], sources: &serde_json::Value) {
             r.h200_expandable_segments,
             r.h200_stitch_alloc,
             match (r.replay_lag0, r.replay_lag1000) {
-                (Some(a), Some(b)) => format!("{} / {}", f(Some(a)), f(Some(b))),
+                (Some(a), Some(b)) => format!("{a:.4} / {b:.4}"),
                 _ => "not shipped".to_string(),
             }
         );
