@@ -49,7 +49,7 @@ use crate::driver::{Driver, DriverOp, DriverResult, Stream};
 use crate::error::{AllocError, Result};
 use crate::stats::Stats;
 use arena::{round_up, Arena, State};
-use fences::{Fences, PendingFree};
+use fences::{Fences, OwnerId, PendingFree};
 use ghosts::Ghosts;
 use handles::Handles;
 use policy::{Grow, GrowthPolicy, PlanContext, StitchPolicy};
@@ -389,13 +389,20 @@ impl Engine {
 
     /// The growth policy's plan for `rsize` bytes in `pool` on `stream`.
     fn plan(&self, pool: Pool, rsize: u64, stream: Stream) -> policy::Plan {
+        self.plan_for(pool, rsize, self.fences.owner_index(stream))
+    }
+
+    /// The growth policy's plan for `rsize` bytes in `pool`, for a request whose stream's
+    /// dirty blocks are `stream_owner`'s (`None`: clean memory only), the loop region as it
+    /// stands.
+    fn plan_for(&self, pool: Pool, rsize: u64, stream_owner: Option<OwnerId>) -> policy::Plan {
         let ctx = PlanContext {
             cfg: &self.cfg,
             stats: &self.stats,
             arena: &self.arena,
             handles: &self.handles,
             va: &self.va,
-            stream_owner: self.fences.owner_index(stream),
+            stream_owner,
             region: self.region.range,
         };
         self.policy.plan(&ctx, pool, rsize)
@@ -478,16 +485,7 @@ impl Engine {
         // A graph pool's allocations are not the loop's: the usual policy, every free byte
         // visible.
         self.leave_region();
-        let ctx = PlanContext {
-            cfg: &self.cfg,
-            stats: &self.stats,
-            arena: &self.arena,
-            handles: &self.handles,
-            va: &self.va,
-            stream_owner: None,
-            region: None,
-        };
-        let plan = self.policy.plan(&ctx, pool, rsize);
+        let plan = self.plan_for(pool, rsize, None);
         let grown = self.apply(d, plan)?;
         let found = self.arena.find_exhaustive(rsize, pool, None);
         match (grown, found) {
@@ -711,10 +709,7 @@ impl Engine {
             }
         }
         if let Some((lo, hi)) = self.region.range {
-            let end = self.run_from(lo).map(|t| {
-                let b = &self.arena.blocks[t as usize];
-                b.addr + b.size
-            });
+            let end = self.run_end(lo);
             if end != Some(hi) {
                 return Err(format!(
                     "loop region [{lo:#x}, {hi:#x}) is not a large-pool run (run end {end:?})"

@@ -555,14 +555,7 @@ fn region_steps(
     let tb = &blocks[t as usize];
     let usable = match tb.state {
         State::Free { owner, .. } if owner.is_clean() || Some(owner) == ctx.stream_owner => {
-            // As `extension_target`: past a first handle shared with a live block when the
-            // placement would skip it.
-            match shared_start(ctx.arena, ctx.handles, t) {
-                Some(nb) if super::placement::align(nb.saturating_sub(tb.addr), rsize) => {
-                    hi.saturating_sub(nb)
-                }
-                _ => tb.size,
-            }
+            usable_from(ctx, t, rsize)
         }
         _ => 0,
     };
@@ -659,6 +652,19 @@ pub(crate) fn append_target(
     tail.or(top).map(|(_, i)| i)
 }
 
+/// The bytes of free block `i` from where a large request of `rsize` bytes would start in it
+/// under contiguous growth to its end: past a first handle it shares with a live block when
+/// the placement skips that piece (`placement::contiguous_offset`), else all of it.
+fn usable_from(ctx: &PlanContext<'_>, i: u32, rsize: u64) -> u64 {
+    let b = &ctx.arena.blocks[i as usize];
+    match shared_start(ctx.arena, ctx.handles, i) {
+        Some(nb) if super::placement::align(nb.saturating_sub(b.addr), rsize) => {
+            (b.addr + b.size).saturating_sub(nb)
+        }
+        _ => b.size,
+    }
+}
+
 /// The largest clean free block of the large pool that ends its run with enough free
 /// address space after it to grow to `rsize` bytes; returns it and the bytes to add.
 pub(crate) fn extension_target(ctx: &PlanContext<'_>, rsize: u64) -> Option<(u32, u64)> {
@@ -680,16 +686,8 @@ pub(crate) fn extension_target(ctx: &PlanContext<'_>, rsize: u64) -> Option<(u32
             continue;
         }
         let end = b.addr + b.size;
-        // With contiguous growth an allocation starts at the tail's first handle boundary
-        // when the tail shares its first handle with a live block (`placement`).
         let usable = if ctx.cfg.contiguous {
-            match shared_start(ctx.arena, ctx.handles, i) {
-                Some(nb) if super::placement::align(nb.saturating_sub(b.addr), rsize) => {
-                    end.saturating_sub(nb)
-                }
-                Some(_) => b.size,
-                None => b.size,
-            }
+            usable_from(ctx, i, rsize)
         } else {
             b.size
         };

@@ -139,16 +139,16 @@ impl Engine {
         })
     }
 
-    /// The large-pool run that starts at `lo`: its last block, if there is such a run.
-    pub(super) fn run_from(&self, lo: u64) -> Option<u32> {
+    /// Where the large-pool run that starts at `lo` ends, if there is such a run.
+    pub(super) fn run_end(&self, lo: u64) -> Option<u64> {
         let blocks = &self.arena.blocks;
         let mut i = blocks.iter().position(|b| {
             b.addr == lo && b.prev == NIL && b.pool == Pool::Large && b.state != State::Vacant
-        })? as u32;
-        while blocks[i as usize].next != NIL {
-            i = blocks[i as usize].next;
+        })?;
+        while blocks[i].next != NIL {
+            i = blocks[i].next as usize;
         }
-        Some(i)
+        Some(blocks[i].addr + blocks[i].size)
     }
 
     /// Turn the loop region on: the large-pool run that ends highest (where the stitch just
@@ -189,11 +189,8 @@ impl Engine {
         let Some((lo, _)) = self.region.range else {
             return;
         };
-        match self.run_from(lo) {
-            Some(t) => {
-                let b = &self.arena.blocks[t as usize];
-                self.region.range = Some((lo, b.addr + b.size));
-            }
+        match self.run_end(lo) {
+            Some(hi) => self.region.range = Some((lo, hi)),
             None => self.leave_region(),
         }
     }
