@@ -284,8 +284,14 @@ impl Engine {
         // Joining a dirty tail: the new memory is usable by the tail's stream at once (its
         // later work is ordered after the old) and by others after the tail's fence, like the
         // tail itself, so the two merge into one block.
+        // The merged block keeps the later of the two free counts: moved handles freed on
+        // the tail's stream after the tail (`state` dirty, counted now) must not turn clean
+        // with a fence that covers only the tail's older free.
         let state = match extend.map(|b| self.arena.blocks[b as usize].state) {
-            Some(tail @ State::Free { owner, .. }) if join && !owner.is_clean() => tail,
+            Some(tail @ State::Free { owner, .. }) if join && !owner.is_clean() => match state {
+                State::Free { owner: k, .. } if k == owner => state,
+                _ => tail,
+            },
             _ => state,
         };
         match extend {

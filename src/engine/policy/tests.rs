@@ -437,3 +437,68 @@ fn a_tail_grown_from_two_free_handles_recreates_them() {
     e.validate().unwrap();
     e.teardown(&d);
 }
+
+/// A stitch for a request that fits no free block grows the requesting stream's own dirty
+/// free tail in place (the stream may use it at once) rather than building a new run beside
+/// it: the request starts in the tail's partial granule and one handle fewer is moved. The
+/// merged block keeps the latest free count of its pieces, so that moved handles freed after
+/// the tail do not turn clean with a fence that covers only the tail.
+#[test]
+fn a_stitch_grows_the_requesting_streams_dirty_tail() {
+    let cfg = Config {
+        reserve_slack: 0.0,
+        reserve_slack_min: 0,
+        loop_region: false,
+        ..Config::default()
+    };
+    let (d, mut e) = Engine::on_sim(1 << 30, &cfg);
+    let a = Stream::sim(1);
+    // Two 16 MiB blocks and a 28 MiB one, live 2 MiB spacers between them; all three freed
+    // on `a` while its work may still use them: dirty, `a`'s.
+    let z1 = e.alloc(&d, 16 * M, a).unwrap();
+    let _s1 = e.alloc(&d, 2 * M, a).unwrap();
+    let z2 = e.alloc(&d, 16 * M, a).unwrap();
+    let _s2 = e.alloc(&d, 2 * M, a).unwrap();
+    let x = e.alloc(&d, 28 * M, a).unwrap();
+    assert_eq!(e.stats.reserved.current, 64 * M);
+    d.launch(a, x, 28 * M);
+    e.free(&d, x, a).unwrap();
+    d.launch(a, z1, 16 * M);
+    e.free(&d, z1, a).unwrap();
+    d.launch(a, z2, 16 * M);
+    e.free(&d, z2, a).unwrap();
+    // 27 MiB in x's place leaves a dirty 1 MiB tail at the end of its run.
+    let y = e.alloc(&d, 27 * M, a).unwrap();
+    assert_eq!(y, x);
+    let moved = e.stats.stitched_handles;
+    // 26.5 MiB fits no free block and the budget allows no growth: 26 MiB of the 16 MiB
+    // blocks' handles are mapped after the tail, and the request starts in it.
+    let w = e.alloc(&d, 53 * M / 2, a).unwrap();
+    assert_eq!(w, y + 27 * M, "placed in the tail, not in a new run");
+    assert_eq!(e.stats.reserved.current, 64 * M, "nothing created");
+    assert_eq!(
+        e.stats.stitched_handles - moved,
+        13,
+        "13 handles of 2 MiB moved, not 14"
+    );
+    // The half MiB left after it is `a`'s, with the count of the latest free among its
+    // pieces (z2's), not the tail's older one.
+    let rest = e
+        .arena
+        .blocks
+        .iter()
+        .find(|b| b.addr == w + 53 * M / 2)
+        .expect("the rest of the grown tail");
+    let owner = e.fences.owner_index(a).expect("a has freed");
+    assert_eq!(
+        rest.state,
+        State::Free {
+            owner,
+            seq: e.fences.owner(owner).free_seq
+        }
+    );
+    e.validate().unwrap();
+    d.complete_all();
+    e.teardown(&d);
+    assert!(d.leak_report().is_clean());
+}
