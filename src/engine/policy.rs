@@ -267,13 +267,6 @@ impl StitchPolicy {
             join_tail: false,
         };
         let build = |chosen, create, extend| Step::Build(span(chosen, create, extend));
-        let joined = |step: Step, join: bool| match step {
-            Step::Build(p) => Step::Build(BuildPlan {
-                join_tail: join,
-                ..p
-            }),
-            other => other,
-        };
         // A stitch by re-creation: release the clean handles, then build the rest anew.
         let recreated = |(release, keep, create, released, after): Recreate| {
             [
@@ -295,10 +288,10 @@ impl StitchPolicy {
             // New memory, one or a few calls, no remapping; grown in place after a free
             // block that ends its run when possible. If the driver refuses (another process
             // holds memory), the next steps reuse free handles.
-            let in_place = extension.and_then(|(b, ext, join)| {
+            let in_place = extension.and_then(|(b, ext)| {
                 let create = ext.max(cfg.min_handle.min(headroom));
                 (create <= headroom && ctx.va.is_free(block_end(b), create))
-                    .then(|| joined(build(Vec::new(), create, Some(b)), join))
+                    .then(|| build(Vec::new(), create, Some(b)))
             });
             steps.push(in_place.unwrap_or_else(|| {
                 let create = need.max(cfg.min_handle.min(headroom));
@@ -306,7 +299,7 @@ impl StitchPolicy {
             }));
         }
         // Best: grow a free block that ends its run, in place, by the missing part only.
-        if let Some((b, ext, join)) = extension {
+        if let Some((b, ext)) = extension {
             let others: Vec<Candidate> = cands.iter().copied().filter(|c| c.block != b).collect();
             let other_total: u64 = others.iter().map(|c| c.size).sum();
             if other_total + headroom >= ext {
@@ -328,12 +321,10 @@ impl StitchPolicy {
                         })
                     });
                     if let Some(Some(r)) = recreate {
-                        let mut r = recreated(r);
-                        r[1] = joined(r[1].clone(), join);
-                        steps.extend(r);
+                        steps.extend(recreated(r));
                         return steps;
                     }
-                    steps.push(joined(build(chosen, create, Some(b)), join));
+                    steps.push(build(chosen, create, Some(b)));
                     return steps;
                 }
             }
@@ -674,25 +665,15 @@ fn usable_from(ctx: &PlanContext<'_>, i: u32, rsize: u64) -> u64 {
     }
 }
 
-/// The largest free block of the large pool, clean or the requesting stream's own (dirty),
-/// that ends its run with enough free address space after it to grow to `rsize` bytes;
-/// returns it, the bytes to add, and whether the new memory must join it (a dirty tail: see
-/// [`BuildPlan::join_tail`]).
-pub(crate) fn extension_target(ctx: &PlanContext<'_>, rsize: u64) -> Option<(u32, u64, bool)> {
+/// The largest clean free block of the large pool that ends its run with enough free
+/// address space after it to grow to `rsize` bytes; returns it and the bytes to add.
+pub(crate) fn extension_target(ctx: &PlanContext<'_>, rsize: u64) -> Option<(u32, u64)> {
     let g = ctx.cfg.granularity;
     let blocks = &ctx.arena.blocks;
     let mut list = Vec::new();
     ctx.arena.bins[OwnerId::CLEAN.index()][Pool::Large as usize].collect(blocks, &mut list);
-    let clean = list.len();
-    // The requesting stream's own dirty blocks too: it may use them at once (its later work
-    // is ordered after the work that freed them), and the new memory joins such a tail
-    // (design/zoo.md, "Seventeenth session": a stitch otherwise builds a new run beside it,
-    // leaving the tail's partial granule and moving more handles).
-    if let Some(k) = ctx.stream_owner.filter(|k| !k.is_clean()) {
-        ctx.arena.bins[k.index()][Pool::Large as usize].collect(blocks, &mut list);
-    }
-    let mut best: Option<(u32, u64, bool)> = None;
-    for (n, i) in list.into_iter().enumerate() {
+    let mut best: Option<(u32, u64)> = None;
+    for i in list {
         let b = &blocks[i as usize];
         // Runs placed apart: only worth it when the block is a large part of the request;
         // a small leftover would make the new allocation share a handle with its
@@ -714,8 +695,8 @@ pub(crate) fn extension_target(ctx: &PlanContext<'_>, rsize: u64) -> Option<(u32
         if end % g != 0 || !ctx.va.is_free(end, ext) {
             continue;
         }
-        if best.is_none_or(|(j, _, _)| blocks[j as usize].size < b.size) {
-            best = Some((i, ext, n >= clean));
+        if best.is_none_or(|(j, _)| blocks[j as usize].size < b.size) {
+            best = Some((i, ext));
         }
     }
     best

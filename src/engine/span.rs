@@ -522,6 +522,66 @@ pub(crate) fn carve_order(chosen: &mut [Candidate]) {
 
 #[cfg(test)]
 mod tests {
+    /// Memory moved from the requesting stream's own dirty blocks and joined to that
+    /// stream's dirty free tail (what the loop region does when its end is such a tail)
+    /// keeps the latest free count of its pieces: handles freed after the tail must not turn
+    /// clean with a fence that covers only the tail's older free (they took the tail's
+    /// count before).
+    #[test]
+    fn a_joined_dirty_tail_keeps_the_latest_free_count() {
+        use crate::driver::Stream;
+        use crate::engine::arena::State;
+        use crate::engine::policy::Step;
+        use crate::Config;
+        const M: u64 = 1 << 20;
+        let cfg = Config {
+            reserve_slack: 0.0,
+            reserve_slack_min: 0,
+            loop_region: false,
+            ..Config::default()
+        };
+        let (d, mut e) = Engine::on_sim(1 << 30, &cfg);
+        let a = Stream::sim(1);
+        // Two 16 MiB blocks and a 28 MiB one, live 2 MiB spacers between them; all three
+        // freed on `a` while its work may still use them (dirty, `a`'s), x first.
+        let z1 = e.alloc(&d, 16 * M, a).unwrap();
+        let _s1 = e.alloc(&d, 2 * M, a).unwrap();
+        let z2 = e.alloc(&d, 16 * M, a).unwrap();
+        let _s2 = e.alloc(&d, 2 * M, a).unwrap();
+        let x = e.alloc(&d, 28 * M, a).unwrap();
+        for (p, n) in [(x, 28 * M), (z1, 16 * M), (z2, 16 * M)] {
+            d.launch(a, p, n);
+            e.free(&d, p, a).unwrap();
+        }
+        // 27 MiB in x's place leaves a dirty 1 MiB tail (x's free count) ending its run.
+        let y = e.alloc(&d, 27 * M, a).unwrap();
+        assert_eq!(y, x);
+        let tail = e
+            .arena
+            .blocks
+            .iter()
+            .position(|b| b.addr == y + 27 * M)
+            .unwrap() as u32;
+        // Grow the tail by 26 MiB of the 16 MiB blocks' handles, joined to it.
+        let owner = e.fences.owner_index(a).unwrap();
+        let plan = e.plan_for(Pool::Large, 53 * M / 2, Some(owner));
+        let Some(Step::Build(b)) = plan.steps.last() else {
+            panic!("a build: {plan:?}")
+        };
+        let chosen: Vec<_> = b.chosen.iter().copied().take(13).collect();
+        assert!(chosen.iter().all(|c| c.owner == owner && c.size == 2 * M));
+        let r = e.build(&d, chosen, 0, 2 * M, Pool::Large, Some((tail, true)));
+        assert_eq!(r.unwrap(), Grow::Done);
+        let latest = e.fences.owner(owner).free_seq;
+        let grown = &e.arena.blocks[tail as usize];
+        assert_eq!((grown.addr, grown.size), (y + 27 * M, 27 * M), "one block");
+        assert_eq!(grown.state, State::Free { owner, seq: latest });
+        e.validate().unwrap();
+        d.complete_all();
+        e.teardown(&d);
+        assert!(d.leak_report().is_clean());
+    }
+
     use super::*;
 
     fn cand(block: u32, addr: u64) -> Candidate {
