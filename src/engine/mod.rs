@@ -404,6 +404,11 @@ impl Engine {
             va: &self.va,
             stream_owner,
             region: self.region.range,
+            repeating: self.repeats.seen(
+                rsize,
+                self.stats.requested.current,
+                self.stats.requested_lifetime_peak,
+            ),
         };
         self.policy.plan(&ctx, pool, rsize)
     }

@@ -100,6 +100,9 @@ pub(crate) struct PlanContext<'a> {
     /// The loop region's `[lo, hi)` while it is on (`region`): its free handles are not
     /// candidates, and a large request grows its end.
     pub(crate) region: Option<(u64, u64)>,
+    /// Whether a stitch for this request would repeat an earlier stitch's state (same
+    /// request, same live bytes, same peak: a loop's step; `repeats`).
+    pub(crate) repeating: bool,
 }
 
 impl PlanContext<'_> {
@@ -267,6 +270,14 @@ impl StitchPolicy {
             join_tail: false,
         };
         let build = |chosen, create, extend| Step::Build(span(chosen, create, extend));
+        // A build that extends the stream's own dirty tail joins it (see `extension_target`).
+        let joined = |step: Step, join: bool| match step {
+            Step::Build(p) => Step::Build(BuildPlan {
+                join_tail: join,
+                ..p
+            }),
+            other => other,
+        };
         // A stitch by re-creation: release the clean handles, then build the rest anew.
         let recreated = |(release, keep, create, released, after): Recreate| {
             [
@@ -288,10 +299,10 @@ impl StitchPolicy {
             // New memory, one or a few calls, no remapping; grown in place after a free
             // block that ends its run when possible. If the driver refuses (another process
             // holds memory), the next steps reuse free handles.
-            let in_place = extension.and_then(|(b, ext)| {
+            let in_place = extension.and_then(|(b, ext, join)| {
                 let create = ext.max(cfg.min_handle.min(headroom));
                 (create <= headroom && ctx.va.is_free(block_end(b), create))
-                    .then(|| build(Vec::new(), create, Some(b)))
+                    .then(|| joined(build(Vec::new(), create, Some(b)), join))
             });
             steps.push(in_place.unwrap_or_else(|| {
                 let create = need.max(cfg.min_handle.min(headroom));
@@ -299,7 +310,7 @@ impl StitchPolicy {
             }));
         }
         // Best: grow a free block that ends its run, in place, by the missing part only.
-        if let Some((b, ext)) = extension {
+        if let Some((b, ext, join)) = extension {
             let others: Vec<Candidate> = cands.iter().copied().filter(|c| c.block != b).collect();
             let other_total: u64 = others.iter().map(|c| c.size).sum();
             if other_total + headroom >= ext {
@@ -321,10 +332,10 @@ impl StitchPolicy {
                         })
                     });
                     if let Some(Some(r)) = recreate {
-                        steps.extend(recreated(r));
+                        steps.extend(recreated(r).map(|st| joined(st, join)));
                         return steps;
                     }
-                    steps.push(build(chosen, create, Some(b)));
+                    steps.push(joined(build(chosen, create, Some(b)), join));
                     return steps;
                 }
             }
@@ -665,15 +676,27 @@ fn usable_from(ctx: &PlanContext<'_>, i: u32, rsize: u64) -> u64 {
     }
 }
 
-/// The largest clean free block of the large pool that ends its run with enough free
-/// address space after it to grow to `rsize` bytes; returns it and the bytes to add.
-pub(crate) fn extension_target(ctx: &PlanContext<'_>, rsize: u64) -> Option<(u32, u64)> {
+/// The largest free block of the large pool that ends its run with enough free address
+/// space after it to grow to `rsize` bytes: clean, or the requesting stream's own (dirty)
+/// unless the stitch repeats a loop's step; returns it, the bytes to add, and whether the
+/// new memory must join it (a dirty tail: [`BuildPlan::join_tail`]).
+pub(crate) fn extension_target(ctx: &PlanContext<'_>, rsize: u64) -> Option<(u32, u64, bool)> {
     let g = ctx.cfg.granularity;
     let blocks = &ctx.arena.blocks;
     let mut list = Vec::new();
     ctx.arena.bins[OwnerId::CLEAN.index()][Pool::Large as usize].collect(blocks, &mut list);
-    let mut best: Option<(u32, u64)> = None;
-    for i in list {
+    let clean = list.len();
+    // The requesting stream may use its own dirty blocks at once (its later work is ordered
+    // after the work that freed them), so a stitch can grow such a tail instead of building
+    // a new run beside it, which left the tail's partial granule and moved more handles
+    // (design/zoo.md, "Seventeenth session"). Not for a loop's repeated stitch: the run it
+    // builds becomes the loop region, which must not start as a grown run of older blocks
+    // (it then left the batch-2 loop stitching at GPU lag 100).
+    if let Some(k) = ctx.stream_owner.filter(|k| !k.is_clean() && !ctx.repeating) {
+        ctx.arena.bins[k.index()][Pool::Large as usize].collect(blocks, &mut list);
+    }
+    let mut best: Option<(u32, u64, bool)> = None;
+    for (n, i) in list.into_iter().enumerate() {
         let b = &blocks[i as usize];
         // Runs placed apart: only worth it when the block is a large part of the request;
         // a small leftover would make the new allocation share a handle with its
@@ -695,8 +718,8 @@ pub(crate) fn extension_target(ctx: &PlanContext<'_>, rsize: u64) -> Option<(u32
         if end % g != 0 || !ctx.va.is_free(end, ext) {
             continue;
         }
-        if best.is_none_or(|(j, _)| blocks[j as usize].size < b.size) {
-            best = Some((i, ext));
+        if best.is_none_or(|(j, _, _)| blocks[j as usize].size < b.size) {
+            best = Some((i, ext, n >= clean));
         }
     }
     best

@@ -82,6 +82,12 @@ impl Repeats {
     }
 
     /// Whether a stitch for `rsize` bytes with `live` bytes live at lifetime peak `peak`
+    /// would repeat an earlier stitch's state (as [`Repeats::repeats_state`], noting nothing).
+    pub(crate) fn seen(&self, rsize: u64, live: u64, peak: u64) -> bool {
+        peak == self.states_peak && self.states.contains(&(rsize, live))
+    }
+
+    /// Whether a stitch for `rsize` bytes with `live` bytes live at lifetime peak `peak`
     /// was made in a state an earlier stitch at this peak was made in; notes the state.
     pub(crate) fn repeats_state(&mut self, rsize: u64, live: u64, peak: u64) -> bool {
         if peak != self.states_peak || self.states.len() >= MAX_STATES {

@@ -75,16 +75,7 @@ fn engine(cfg: Config) -> (SimDriver, Engine) {
 }
 
 fn plan(e: &Engine, pool: Pool, rsize: u64) -> Plan {
-    let ctx = PlanContext {
-        cfg: &e.cfg,
-        stats: &e.stats,
-        arena: &e.arena,
-        handles: &e.handles,
-        va: &e.va,
-        stream_owner: e.fences.owner_index(Stream::DEFAULT),
-        region: e.region.range,
-    };
-    e.policy.plan(&ctx, pool, rsize)
+    e.plan_for(pool, rsize, e.fences.owner_index(Stream::DEFAULT))
 }
 
 fn layout_json(e: &Engine) -> String {
@@ -436,4 +427,49 @@ fn a_tail_grown_from_two_free_handles_recreates_them() {
     assert_eq!(e.stats.recreated_handles, 2);
     e.validate().unwrap();
     e.teardown(&d);
+}
+
+/// A stitch for a request that fits no free block grows the requesting stream's own dirty
+/// free tail in place (the stream may use it at once) rather than building a new run beside
+/// it: the request starts in the tail's partial granule and one handle fewer is moved.
+#[test]
+fn a_stitch_grows_the_requesting_streams_dirty_tail() {
+    let cfg = Config {
+        reserve_slack: 0.0,
+        reserve_slack_min: 0,
+        loop_region: false,
+        ..Config::default()
+    };
+    let (d, mut e) = Engine::on_sim(1 << 30, &cfg);
+    let a = Stream::sim(1);
+    // Two 16 MiB blocks and a 28 MiB one, live 2 MiB spacers between them; all three freed
+    // on `a` while its work may still use them: dirty, `a`'s.
+    let z1 = e.alloc(&d, 16 * M, a).unwrap();
+    let _s1 = e.alloc(&d, 2 * M, a).unwrap();
+    let z2 = e.alloc(&d, 16 * M, a).unwrap();
+    let _s2 = e.alloc(&d, 2 * M, a).unwrap();
+    let x = e.alloc(&d, 28 * M, a).unwrap();
+    assert_eq!(e.stats.reserved.current, 64 * M);
+    for (p, n) in [(x, 28 * M), (z1, 16 * M), (z2, 16 * M)] {
+        d.launch(a, p, n);
+        e.free(&d, p, a).unwrap();
+    }
+    // 27 MiB in x's place leaves a dirty 1 MiB tail at the end of its run.
+    let y = e.alloc(&d, 27 * M, a).unwrap();
+    assert_eq!(y, x);
+    let moved = e.stats.stitched_handles;
+    // 26.5 MiB fits no free block and the budget allows no growth: 26 MiB of the 16 MiB
+    // blocks' handles are mapped after the tail, and the request starts in it.
+    let w = e.alloc(&d, 53 * M / 2, a).unwrap();
+    assert_eq!(w, y + 27 * M, "placed in the tail");
+    assert_eq!(e.stats.reserved.current, 64 * M, "nothing created");
+    assert_eq!(
+        e.stats.stitched_handles - moved,
+        13,
+        "13 handles of 2 MiB moved, not 14"
+    );
+    e.validate().unwrap();
+    d.complete_all();
+    e.teardown(&d);
+    assert!(d.leak_report().is_clean());
 }
