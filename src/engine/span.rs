@@ -522,6 +522,8 @@ pub(crate) fn carve_order(chosen: &mut [Candidate]) {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     /// Memory moved from the requesting stream's own dirty blocks and joined to that
     /// stream's dirty free tail (what the loop region does when its end is such a tail)
     /// keeps the latest free count of its pieces: handles freed after the tail must not turn
@@ -581,8 +583,6 @@ mod tests {
         e.teardown(&d);
         assert!(d.leak_report().is_clean());
     }
-
-    use super::*;
 
     fn cand(block: u32, addr: u64) -> Candidate {
         Candidate {
