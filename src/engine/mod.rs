@@ -143,6 +143,38 @@ impl Engine {
         (d, e)
     }
 
+    /// The engine's unit tests' dirty-tail scene, on a 1 GiB simulated device with no growth
+    /// slack and no loop region: two 16 MiB blocks and a 28 MiB one (`x`) with live 2 MiB
+    /// spacers between them, all three freed on stream `sim(1)` while its work may still use
+    /// them (dirty, that stream's; `x` first), then 27 MiB in `x`'s place, which leaves a
+    /// dirty 1 MiB tail ending its run (`x`'s free count). Returns the device, the engine,
+    /// the stream and the 27 MiB allocation's address (`x`'s).
+    #[cfg(test)]
+    pub(crate) fn dirty_tail_scene() -> (crate::driver::SimDriver, Self, Stream, u64) {
+        const M: u64 = 1 << 20;
+        let cfg = crate::Config {
+            reserve_slack: 0.0,
+            reserve_slack_min: 0,
+            loop_region: false,
+            ..crate::Config::default()
+        };
+        let (d, mut e) = Engine::on_sim(1 << 30, &cfg);
+        let a = Stream::sim(1);
+        let z1 = e.alloc(&d, 16 * M, a).unwrap();
+        let _s1 = e.alloc(&d, 2 * M, a).unwrap();
+        let z2 = e.alloc(&d, 16 * M, a).unwrap();
+        let _s2 = e.alloc(&d, 2 * M, a).unwrap();
+        let x = e.alloc(&d, 28 * M, a).unwrap();
+        assert_eq!(e.stats.reserved.current, 64 * M);
+        for (p, n) in [(x, 28 * M), (z1, 16 * M), (z2, 16 * M)] {
+            d.launch(a, p, n);
+            e.free(&d, p, a).unwrap();
+        }
+        let y = e.alloc(&d, 27 * M, a).unwrap();
+        assert_eq!(y, x, "27 MiB in x's place");
+        (d, e, a, y)
+    }
+
     /// Create and map `cfg.prealloc` bytes as one clean free span of the large pool. On any
     /// failure everything is given back and the error returned.
     fn preallocate<D: Driver + ?Sized>(&mut self, d: &D) -> Result<()> {

@@ -531,33 +531,12 @@ mod tests {
     /// count before).
     #[test]
     fn a_joined_dirty_tail_keeps_the_latest_free_count() {
-        use crate::driver::Stream;
         use crate::engine::arena::State;
         use crate::engine::policy::Step;
-        use crate::Config;
         const M: u64 = 1 << 20;
-        let cfg = Config {
-            reserve_slack: 0.0,
-            reserve_slack_min: 0,
-            loop_region: false,
-            ..Config::default()
-        };
-        let (d, mut e) = Engine::on_sim(1 << 30, &cfg);
-        let a = Stream::sim(1);
-        // Two 16 MiB blocks and a 28 MiB one, live 2 MiB spacers between them; all three
-        // freed on `a` while its work may still use them (dirty, `a`'s), x first.
-        let z1 = e.alloc(&d, 16 * M, a).unwrap();
-        let _s1 = e.alloc(&d, 2 * M, a).unwrap();
-        let z2 = e.alloc(&d, 16 * M, a).unwrap();
-        let _s2 = e.alloc(&d, 2 * M, a).unwrap();
-        let x = e.alloc(&d, 28 * M, a).unwrap();
-        for (p, n) in [(x, 28 * M), (z1, 16 * M), (z2, 16 * M)] {
-            d.launch(a, p, n);
-            e.free(&d, p, a).unwrap();
-        }
-        // 27 MiB in x's place leaves a dirty 1 MiB tail (x's free count) ending its run.
-        let y = e.alloc(&d, 27 * M, a).unwrap();
-        assert_eq!(y, x);
+        // A dirty 1 MiB tail after y (x's free count), and 32 MiB of the same stream's dirty
+        // blocks freed after it.
+        let (d, mut e, a, y) = Engine::dirty_tail_scene();
         let tail = e
             .arena
             .blocks

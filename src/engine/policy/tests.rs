@@ -434,29 +434,8 @@ fn a_tail_grown_from_two_free_handles_recreates_them() {
 /// it: the request starts in the tail's partial granule and one handle fewer is moved.
 #[test]
 fn a_stitch_grows_the_requesting_streams_dirty_tail() {
-    let cfg = Config {
-        reserve_slack: 0.0,
-        reserve_slack_min: 0,
-        loop_region: false,
-        ..Config::default()
-    };
-    let (d, mut e) = Engine::on_sim(1 << 30, &cfg);
-    let a = Stream::sim(1);
-    // Two 16 MiB blocks and a 28 MiB one, live 2 MiB spacers between them; all three freed
-    // on `a` while its work may still use them: dirty, `a`'s.
-    let z1 = e.alloc(&d, 16 * M, a).unwrap();
-    let _s1 = e.alloc(&d, 2 * M, a).unwrap();
-    let z2 = e.alloc(&d, 16 * M, a).unwrap();
-    let _s2 = e.alloc(&d, 2 * M, a).unwrap();
-    let x = e.alloc(&d, 28 * M, a).unwrap();
-    assert_eq!(e.stats.reserved.current, 64 * M);
-    for (p, n) in [(x, 28 * M), (z1, 16 * M), (z2, 16 * M)] {
-        d.launch(a, p, n);
-        e.free(&d, p, a).unwrap();
-    }
-    // 27 MiB in x's place leaves a dirty 1 MiB tail at the end of its run.
-    let y = e.alloc(&d, 27 * M, a).unwrap();
-    assert_eq!(y, x);
+    // A dirty 1 MiB tail after y, and 32 MiB of the same stream's dirty blocks elsewhere.
+    let (d, mut e, a, y) = Engine::dirty_tail_scene();
     let moved = e.stats.stitched_handles;
     // 26.5 MiB fits no free block and the budget allows no growth: 26 MiB of the 16 MiB
     // blocks' handles are mapped after the tail, and the request starts in it.
