@@ -153,21 +153,30 @@ def w_llm_train_l(torch, rng, quick):
     return _train_llm(torch, rng, 3 if quick else 8, 2 if quick else 16, 2048, 8, 2048)
 
 
-def w_hf_generate(torch, rng, quick):
-    model = _llama(torch, 2 if quick else 4, 2048, torch.bfloat16).eval()
+def _generate(torch, rng, layers, rounds, batches, max_prompt, max_new, **gen_args):
+    """A bf16 Llama of `layers` x 2048 that never stops early (no EOS), `generate` called
+    `rounds` times at a batch from `batches`, a prompt of 16-`max_prompt` tokens and
+    16-`max_new` new ones (`gen_args` passed on, e.g. the cache kind)."""
+    model = _llama(torch, layers, 2048, torch.bfloat16).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     tokens = 0
     with torch.inference_mode():
-        for _ in range(4 if quick else 14):
-            b = rng.choice([1, 2, 4, 8, 16, 32])
-            p, n = rng.randint(16, 512), rng.randint(16, 32 if quick else 128)
+        for _ in range(rounds):
+            b = rng.choice(batches)
+            p, n = rng.randint(16, max_prompt), rng.randint(16, max_new)
             ids = torch.randint(3, 32000, (b, p), device="cuda")
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                 max_new_tokens=n, do_sample=False, use_cache=True)
+                                 max_new_tokens=n, do_sample=False, use_cache=True,
+                                 **gen_args)
             tokens += (out.shape[1] - p) * b
             del out, ids
     return {"tokens": tokens, "_keep": model}
+
+
+def w_hf_generate(torch, rng, quick):
+    return _generate(torch, rng, 2 if quick else 4, 4 if quick else 14, [1, 2, 4, 8, 16, 32],
+                     512, 32 if quick else 128)
 
 
 def w_lora(torch, rng, quick):
@@ -564,21 +573,8 @@ def w_unet_denoise(torch, rng, quick):
 def w_static_generate(torch, rng, quick):
     """HF `generate` with a static KV cache (`cache_implementation="static"`: the cache is
     allocated whole for prompt + new tokens, per call), varying batch and lengths."""
-    model = _llama(torch, 2 if quick else 6, 2048, torch.bfloat16).eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    tokens = 0
-    with torch.inference_mode():
-        for _ in range(3 if quick else 10):
-            b = rng.choice([1, 2, 4, 8, 16])
-            p, n = rng.randint(16, 768), rng.randint(16, 32 if quick else 96)
-            ids = torch.randint(3, 32000, (b, p), device="cuda")
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                 max_new_tokens=n, do_sample=False, use_cache=True,
-                                 cache_implementation="static")
-            tokens += (out.shape[1] - p) * b
-            del out, ids
-    return {"tokens": tokens, "_keep": model}
+    return _generate(torch, rng, 2 if quick else 6, 3 if quick else 10, [1, 2, 4, 8, 16],
+                     768, 32 if quick else 96, cache_implementation="static")
 
 
 def w_side_stream(torch, rng, quick):
