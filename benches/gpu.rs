@@ -6,7 +6,7 @@
 //!   `cudaMallocAsync` backend sets it), and `cuMemAlloc`+`cuMemFree`;
 //! * `stitch/*`: the allocation that stitches N free handles (N x 2 MiB for N = 8, 64, 512,
 //!   and 8 x 64 MiB), each iteration on a freshly fragmented allocator;
-//! * a replay of a synthetic LLM-like trace through the allocator wrapped in
+//! * a replay of the random-churn trace (`stitch gen churn --seed 1`) through the allocator wrapped in
 //!   [`Timed`](stitch_alloc::driver::Timed), printing the measured time of every kind of
 //!   driver call beside the H200 model of anchors.md, and the same trace through
 //!   `cuMemAllocAsync` and `cuMemAlloc` for the wall time.
@@ -19,6 +19,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use stitch_alloc::driver::{CudaDriver, Driver, Timed};
+use stitch_alloc::trace::{gen, Event};
 use stitch_alloc::{Allocator, Capacity, Config, DevicePtr, Stream};
 
 const KIB: u64 = 1 << 10;
@@ -210,91 +211,25 @@ fn stitch(c: &mut Criterion, gpu: &Gpu, log: &StitchLog) {
     g.finish();
 }
 
-/// A small deterministic generator (xorshift64*).
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-    /// Log-uniform in [lo, hi].
-    fn log_uniform(&mut self, lo: u64, hi: u64) -> u64 {
-        let (a, b) = ((lo as f64).ln(), (hi as f64).ln());
-        let u = (self.next() >> 11) as f64 / (1u64 << 53) as f64;
-        ((a + (b - a) * u).exp() as u64).clamp(lo, hi)
-    }
-}
-
 #[derive(Copy, Clone)]
 enum Ev {
     Alloc(usize, u64),
     Free(usize),
 }
 
-/// An LLM-inference-like trace (the shape of anchors.md section 2, smaller): 24 KV tensors
-/// that grow by realloc (allocate bigger, free the old one) and restart when a request ends,
-/// temporaries of 1 MiB-512 MiB freed out of order, and small tensors of 4 KiB-1 MiB.
-fn llm_trace(steps: usize) -> Vec<Ev> {
-    let mut rng = Rng(0x5171_c4a1_10c8_0001);
-    let mut ev = Vec::new();
-    let mut next = 0usize;
-    let mut alloc = |ev: &mut Vec<Ev>, size: u64| {
-        ev.push(Ev::Alloc(next, size));
-        next += 1;
-        next - 1
-    };
-    let mut kv: Vec<(usize, u64)> = (0..24)
-        .map(|_| {
-            let s = 16 * MIB;
-            (alloc(&mut ev, s), s)
+/// The random-churn trace of `stitch gen churn --seed 1` (`trace::gen::churn`: KV tensors
+/// grown by realloc, 1 MiB-512 MiB temporaries freed out of order, small tensors), as
+/// alloc / free callbacks' events.
+fn churn_trace() -> Vec<Ev> {
+    gen::generate(gen::Kind::Churn, 1, gen::Scale::Full)
+        .events
+        .iter()
+        .filter_map(|e| match *e {
+            Event::Alloc { id, bytes, .. } => Some(Ev::Alloc(id as usize, bytes)),
+            Event::Free { id, .. } => Some(Ev::Free(id as usize)),
+            _ => None,
         })
-        .collect();
-    let mut temps: Vec<(usize, u64)> = Vec::new();
-    let mut temp_bytes = 0u64;
-    for _ in 0..steps {
-        match rng.below(100) {
-            0..=34 => {
-                let i = rng.below(kv.len() as u64) as usize;
-                let (old, size) = kv[i];
-                let grown = size + (1 + rng.below(8)) * 2 * MIB;
-                let size = if grown > GIB { 16 * MIB } else { grown };
-                let id = alloc(&mut ev, size);
-                ev.push(Ev::Free(old));
-                kv[i] = (id, size);
-            }
-            35..=69 => {
-                let size = rng.log_uniform(MIB, 512 * MIB);
-                temps.push((alloc(&mut ev, size), size));
-                temp_bytes += size;
-            }
-            70..=94 => {
-                if !temps.is_empty() {
-                    let (id, size) = temps.swap_remove(rng.below(temps.len() as u64) as usize);
-                    ev.push(Ev::Free(id));
-                    temp_bytes -= size;
-                }
-            }
-            _ => {
-                let size = rng.log_uniform(4 * KIB, MIB);
-                temps.push((alloc(&mut ev, size), size));
-                temp_bytes += size;
-            }
-        }
-        while temp_bytes > 8 * GIB {
-            let (id, size) = temps.swap_remove(rng.below(temps.len() as u64) as usize);
-            ev.push(Ev::Free(id));
-            temp_bytes -= size;
-        }
-    }
-    for (id, _) in temps.into_iter().chain(kv) {
-        ev.push(Ev::Free(id));
-    }
-    ev
+        .collect()
 }
 
 /// Replays `trace` with `alloc`/`free` callbacks; returns the wall time and the peak of
@@ -332,10 +267,10 @@ fn replay(
 }
 
 fn measured_vs_modeled(gpu: &Gpu) {
-    let trace = llm_trace(6000);
+    let trace = churn_trace();
     let allocs = trace.iter().filter(|e| matches!(e, Ev::Alloc(..))).count();
     println!(
-        "== replay: synthetic LLM-like trace, {} events ({allocs} allocations)",
+        "== replay: `stitch gen churn --seed 1`, {} events ({allocs} allocations)",
         trace.len()
     );
 

@@ -294,7 +294,7 @@ struct ReplayArgs {
 
 #[derive(Args)]
 struct GenArgs {
-    /// llm, train, checkerboard, adversarial or serve.
+    /// llm, train, checkerboard, adversarial, serve or churn.
     kind: Kind,
     /// The seed: the same seed gives the same trace, byte for byte.
     #[arg(long, default_value_t = 1)]

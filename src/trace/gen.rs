@@ -11,6 +11,7 @@
 //! | [`Kind::Train`] | training iterations: parameters and optimizer state allocated once, forward activations freed in reverse during backward, gradients, a different sequence length each iteration |
 //! | [`Kind::Checkerboard`] | fill ~129 GB with 100–300 MiB tensors, free every other one, then probe the largest single allocation |
 //! | [`Kind::Adversarial`] | a random mix of 512 B – 2 GiB requests and random frees on several streams |
+//! | [`Kind::Churn`] | random churn under a fixed live budget: KV tensors grown by realloc by 2–16 MiB, 1 MiB–512 MiB temporaries allocated and freed in random order with up to a cap of them live, small tensors (the GPU bench's replay; every large miss needs a stitch) |
 //! | [`Kind::Serve`] | serving as Hugging Face's `DynamicCache` does it: requests of different lengths admitted and retired, each layer's K and V re-allocated one token longer at every decode step (`torch.cat`), a prefill's activations and logits per admitted request |
 //!
 //! ```
@@ -129,16 +130,19 @@ pub enum Kind {
     Adversarial,
     /// Serving with KV caches grown one token at a time by concatenation.
     Serve,
+    /// Random churn of large temporaries under a fixed live budget.
+    Churn,
 }
 
 impl Kind {
     /// Every kind.
-    pub const ALL: [Kind; 5] = [
+    pub const ALL: [Kind; 6] = [
         Kind::Llm,
         Kind::Train,
         Kind::Checkerboard,
         Kind::Adversarial,
         Kind::Serve,
+        Kind::Churn,
     ];
     /// The command-line name.
     pub fn name(self) -> &'static str {
@@ -148,6 +152,7 @@ impl Kind {
             Kind::Checkerboard => "checkerboard",
             Kind::Adversarial => "adversarial",
             Kind::Serve => "serve",
+            Kind::Churn => "churn",
         }
     }
 }
@@ -160,7 +165,7 @@ impl FromStr for Kind {
             .find(|k| k.name() == s)
             .ok_or_else(|| {
                 format!(
-                    "unknown trace kind {s:?} (expected llm, train, checkerboard, adversarial or serve)"
+                    "unknown trace kind {s:?} (expected llm, train, checkerboard, adversarial, serve or churn)"
                 )
             })
     }
@@ -216,6 +221,14 @@ pub fn generate(kind: Kind, seed: u64, scale: Scale) -> Trace {
                 ServeParams::small()
             } else {
                 ServeParams::default()
+            },
+            seed,
+        ),
+        Kind::Churn => churn(
+            &if small {
+                ChurnParams::small()
+            } else {
+                ChurnParams::default()
             },
             seed,
         ),
@@ -906,6 +919,107 @@ pub fn serve(p: &ServeParams, seed: u64) -> Trace {
     }
     for w in weights.into_iter().rev() {
         b.free(w);
+    }
+    b.finish()
+}
+
+/// Parameters of the random-churn generator.
+#[derive(Clone, Debug)]
+pub struct ChurnParams {
+    /// Steps; each allocates, grows a KV tensor or frees a temporary.
+    pub steps: u64,
+    /// KV tensors, each starting at `kv_start` bytes.
+    pub kv_tensors: u64,
+    /// A KV tensor's first size, and its size again once growing would pass `kv_max`.
+    pub kv_start: u64,
+    /// The largest KV tensor.
+    pub kv_max: u64,
+    /// Temporaries' sizes, log-uniform in this range.
+    pub temp_bytes: (u64, u64),
+    /// Live temporaries are freed at random while their bytes exceed this.
+    pub temp_cap: u64,
+}
+
+impl Default for ChurnParams {
+    /// About 9,200 events, peak live about 27 GiB.
+    fn default() -> Self {
+        ChurnParams {
+            steps: 6000,
+            kv_tensors: 24,
+            kv_start: 16 * MIB,
+            kv_max: GIB,
+            temp_bytes: (MIB, 512 * MIB),
+            temp_cap: 8 * GIB,
+        }
+    }
+}
+
+impl ChurnParams {
+    /// A scaled-down variant: about 2,300 events, under 2 GiB live.
+    pub fn small() -> Self {
+        ChurnParams {
+            steps: 1500,
+            kv_tensors: 8,
+            kv_start: 4 * MIB,
+            kv_max: 96 * MIB,
+            temp_bytes: (MIB, 64 * MIB),
+            temp_cap: GIB,
+        }
+    }
+}
+
+/// Random churn under a fixed live budget, on one stream: at each step a KV tensor grows by
+/// realloc (2–16 MiB more, back to `kv_start` past `kv_max`; the old one freed after the
+/// copy), a temporary is allocated, a random live temporary is freed, or a small tensor
+/// (4 KiB–1 MiB) is allocated, in proportions 35 / 35 / 25 / 5; temporaries are freed at
+/// random while their bytes exceed `temp_cap`. Live bytes stay near their peak, so most large
+/// requests miss every free block: the workload where an allocator either grows (a caching
+/// allocator's fragmentation) or gathers free memory on every miss (stitching's driver time).
+pub fn churn(p: &ChurnParams, seed: u64) -> Trace {
+    let mut r = Rng::new(seed);
+    let mut b = Builder::default();
+    let mut kv: Vec<(u64, u64)> = (0..p.kv_tensors)
+        .map(|_| (b.alloc(p.kv_start, 0), p.kv_start))
+        .collect();
+    let mut temps: Vec<(u64, u64)> = Vec::new();
+    let mut temp_live = 0u64;
+    for _ in 0..p.steps {
+        match r.below(100) {
+            0..=34 if !kv.is_empty() => {
+                let i = r.below(kv.len() as u64) as usize;
+                let (old, size) = kv[i];
+                let grown = size + r.range(1, 8) * 2 * MIB;
+                let size = if grown > p.kv_max { p.kv_start } else { grown };
+                let id = b.alloc(size, 0);
+                b.free(old);
+                kv[i] = (id, size);
+            }
+            0..=69 => {
+                let size = r.log_uniform(p.temp_bytes.0, p.temp_bytes.1);
+                temps.push((b.alloc(size, 0), size));
+                temp_live += size;
+            }
+            70..=94 => {
+                if !temps.is_empty() {
+                    let (id, size) = temps.swap_remove(r.below(temps.len() as u64) as usize);
+                    b.free(id);
+                    temp_live -= size;
+                }
+            }
+            _ => {
+                let size = r.log_uniform(4 * KIB, MIB);
+                temps.push((b.alloc(size, 0), size));
+                temp_live += size;
+            }
+        }
+        while temp_live > p.temp_cap {
+            let (id, size) = temps.swap_remove(r.below(temps.len() as u64) as usize);
+            b.free(id);
+            temp_live -= size;
+        }
+    }
+    for (id, _) in temps.into_iter().chain(kv) {
+        b.free(id);
     }
     b.finish()
 }
