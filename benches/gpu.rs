@@ -211,39 +211,19 @@ fn stitch(c: &mut Criterion, gpu: &Gpu, log: &StitchLog) {
     g.finish();
 }
 
-#[derive(Copy, Clone)]
-enum Ev {
-    Alloc(usize, u64),
-    Free(usize),
-}
-
-/// The random-churn trace of `stitch gen churn --seed 1` (`trace::gen::churn`: KV tensors
-/// grown by realloc, 1 MiB-512 MiB temporaries freed out of order, small tensors), as
-/// alloc / free callbacks' events.
-fn churn_trace() -> Vec<Ev> {
-    gen::generate(gen::Kind::Churn, 1, gen::Scale::Full)
-        .events
-        .iter()
-        .filter_map(|e| match *e {
-            Event::Alloc { id, bytes, .. } => Some(Ev::Alloc(id as usize, bytes)),
-            Event::Free { id, .. } => Some(Ev::Free(id as usize)),
-            _ => None,
-        })
-        .collect()
-}
-
-/// Replays `trace` with `alloc`/`free` callbacks; returns the wall time and the peak of
-/// live requested bytes.
+/// Replays `trace`'s allocations and frees (ids dense from 0, as the generators hand them
+/// out) with `alloc`/`free` callbacks; returns the wall time and the peak of live requested
+/// bytes.
 fn replay(
-    trace: &[Ev],
+    trace: &[Event],
     mut alloc: impl FnMut(u64) -> u64,
     mut free: impl FnMut(u64),
 ) -> (Duration, u64) {
     let n = trace
         .iter()
         .map(|e| match e {
-            Ev::Alloc(id, _) => id + 1,
-            Ev::Free(_) => 0,
+            Event::Alloc { id, .. } => *id as usize + 1,
+            _ => 0,
         })
         .max()
         .unwrap_or(0);
@@ -252,26 +232,32 @@ fn replay(
     let t = Instant::now();
     for e in trace {
         match *e {
-            Ev::Alloc(id, size) => {
-                ptr[id] = (alloc(size), size);
-                live += size;
+            Event::Alloc { id, bytes, .. } => {
+                ptr[id as usize] = (alloc(bytes), bytes);
+                live += bytes;
                 peak = peak.max(live);
             }
-            Ev::Free(id) => {
-                free(ptr[id].0);
-                live -= ptr[id].1;
+            Event::Free { id, .. } => {
+                let (p, bytes) = ptr[id as usize];
+                free(p);
+                live -= bytes;
             }
+            _ => {}
         }
     }
     (t.elapsed(), peak)
 }
 
 fn measured_vs_modeled(gpu: &Gpu) {
-    let trace = churn_trace();
-    let allocs = trace.iter().filter(|e| matches!(e, Ev::Alloc(..))).count();
+    // The random-churn trace (`trace::gen::churn`: KV tensors grown by realloc, 1-512 MiB
+    // temporaries freed out of order, small tensors).
+    let churn = gen::generate(gen::Kind::Churn, 1, gen::Scale::Full);
+    let summary = churn.summary();
+    let trace = &churn.events;
     println!(
-        "== replay: `stitch gen churn --seed 1`, {} events ({allocs} allocations)",
-        trace.len()
+        "== replay: `stitch gen churn --seed 1`, {} events ({} allocations)",
+        trace.len(),
+        summary.allocs
     );
 
     let a = Allocator::new(
@@ -280,7 +266,7 @@ fn measured_vs_modeled(gpu: &Gpu) {
     )
     .unwrap();
     let (wall, peak_live) = replay(
-        &trace,
+        trace,
         |size| a.alloc(size, S).unwrap().0,
         |p| a.free(DevicePtr(p), S).unwrap(),
     );
@@ -308,7 +294,7 @@ fn measured_vs_modeled(gpu: &Gpu) {
     // The same trace again on the same allocator: its cache is warm now.
     a.driver().reset();
     let (wall_warm, _) = replay(
-        &trace,
+        trace,
         |size| a.alloc(size, S).unwrap().0,
         |p| a.free(DevicePtr(p), S).unwrap(),
     );
@@ -323,7 +309,7 @@ fn measured_vs_modeled(gpu: &Gpu) {
     for _ in 0..2 {
         let t = Instant::now();
         replay(
-            &trace,
+            trace,
             |size| gpu.mem_alloc_async(size, s.stream()).unwrap(),
             |p| gpu.mem_free_async(p, s.stream()).unwrap(),
         );
@@ -332,7 +318,7 @@ fn measured_vs_modeled(gpu: &Gpu) {
     }
     gpu.trim_default_pool(0).unwrap();
     let (wall_malloc, _) = replay(
-        &trace,
+        trace,
         |size| gpu.mem_alloc(size).unwrap(),
         |p| gpu.mem_free(p).unwrap(),
     );

@@ -1296,23 +1296,37 @@ fn cli_small_threshold_moves_requests_between_the_pools() {
 /// at this size; the full size 1.05-1.08 against 1.17-1.28 and 1.09-1.12, design/zoo.md).
 #[test]
 fn a_growing_kv_cache_serving_loop_holds_less_than_both_pytorch_models() {
-    use stitch_alloc::replay::models::{simulate, Model};
     for seed in 1..=3 {
         let t = gen::generate(Kind::Serve, seed, Scale::Small);
-        let cap = 4 * GIB;
-        let default = simulate(&t, Model::PyTorchDefault, cap).ratio;
-        let expandable = simulate(&t, Model::PyTorchExpandable, cap).ratio;
-        for lag in [0, 1000] {
-            let (r, _) = lagged_replay(&t, cap, Config::default(), lag);
-            assert_eq!(r.failed_allocs, 0, "seed {seed} lag {lag}");
+        replays_below_both_pytorch_models(&t, &format!("serve seed {seed}"));
+    }
+}
+
+/// Replays `t` (on a 4 GiB device) at GPU lags 0 and 1000 with the default configuration,
+/// asserting that no allocation fails and that each peak is below the replay models of
+/// PyTorch's default allocator and of expandable segments; returns each lag's report.
+fn replays_below_both_pytorch_models(
+    t: &Trace,
+    what: &str,
+) -> Vec<(usize, stitch_alloc::replay::ReplayReport)> {
+    use stitch_alloc::replay::models::{simulate, Model};
+    let cap = 4 * GIB;
+    let default = simulate(t, Model::PyTorchDefault, cap).ratio;
+    let expandable = simulate(t, Model::PyTorchExpandable, cap).ratio;
+    [0, 1000]
+        .into_iter()
+        .map(|lag| {
+            let (r, _) = lagged_replay(t, cap, Config::default(), lag);
+            assert_eq!(r.failed_allocs, 0, "{what} lag {lag}");
             assert!(
                 r.ratio < expandable && r.ratio < default,
-                "seed {seed} lag {lag}: {:.4} against default {default:.4}, expandable \
+                "{what} lag {lag}: {:.4} against default {default:.4}, expandable \
                  {expandable:.4}",
                 r.ratio
             );
-        }
-    }
+            (lag, r)
+        })
+        .collect()
 }
 
 /// Random churn under a fixed live budget (`gen churn`, the small size, three seeds): every
@@ -1324,24 +1338,12 @@ fn a_growing_kv_cache_serving_loop_holds_less_than_both_pytorch_models() {
 /// session).
 #[test]
 fn random_churn_holds_less_than_both_models_and_slack_buys_driver_time() {
-    use stitch_alloc::replay::models::{simulate, Model};
     for seed in 1..=3 {
         let t = gen::generate(Kind::Churn, seed, Scale::Small);
-        let cap = 4 * GIB;
-        let default = simulate(&t, Model::PyTorchDefault, cap).ratio;
-        let expandable = simulate(&t, Model::PyTorchExpandable, cap).ratio;
-        for lag in [0, 1000] {
-            let (r, _) = lagged_replay(&t, cap, Config::default(), lag);
-            assert_eq!(r.failed_allocs, 0, "seed {seed} lag {lag}");
-            assert!(
-                r.ratio < expandable && r.ratio < default,
-                "seed {seed} lag {lag}: {:.4} against default {default:.4}, expandable \
-                 {expandable:.4}",
-                r.ratio
-            );
+        for (lag, r) in replays_below_both_pytorch_models(&t, &format!("churn seed {seed}")) {
             let mut slack = Config::default();
             slack.reserve_slack = 0.2;
-            let (s, _) = lagged_replay(&t, cap, slack, lag);
+            let (s, _) = lagged_replay(&t, 4 * GIB, slack, lag);
             assert_eq!(s.failed_allocs, 0, "seed {seed} lag {lag}, slack");
             assert!(
                 s.modeled_driver_us < r.modeled_driver_us && s.ratio > r.ratio,
