@@ -13,11 +13,13 @@ behind in partly used pages when nothing else costs anything.
 Policies: ``best`` (smallest free range that fits, at its start), ``first`` (lowest
 address that fits), ``best-end`` (smallest fit, at its end), ``fewest-pages`` (among the 64
 smallest fits, the place at either end that touches the fewest pages no live allocation
-touches yet). ``--small-apart BYTES`` keeps requests of at most BYTES in an address space of
-their own (as stitch-alloc's small-block pages do). Traces: stitch's text format (``a <id>
-<bytes> [stream]`` / ``f <id> [bytes] [stream]``), optionally gzipped, as ``stitch gen``
-writes them; a PyTorch snapshot converts with ``cargo run --release --example
-trace_to_text -- SNAPSHOT OUT.trace.gz``. Needs ``sortedcontainers``.
+touches yet), ``bump`` (always at the top, never reusing a freed range: log-structured
+placement, whose freed pages cost nothing here). ``--small-apart BYTES`` keeps requests of
+at most BYTES in an address space of their own (as stitch-alloc's small-block pages do).
+Traces: stitch's text format (``a <id> <bytes> [stream]`` / ``f <id> [bytes] [stream]``),
+optionally gzipped, as ``stitch gen`` writes them; a PyTorch snapshot converts with ``cargo
+run --release --example trace_to_text -- SNAPSHOT OUT.trace.gz``. Needs
+``sortedcontainers``.
 """
 import argparse
 import gzip
@@ -75,6 +77,8 @@ def pages_of(a, n):
 
 def place(space, policy, n, touched):
     """(free range or None, address) for `n` bytes."""
+    if policy == "bump":
+        return None, space.top
     j = space.by_size.bisect_left((n, -1))
     if policy == "first":
         for s, ln in space.by_addr:
@@ -142,7 +146,7 @@ def bound(path, policy, small_apart=0):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("policy", choices=["best", "first", "best-end", "fewest-pages"])
+    ap.add_argument("policy", choices=["best", "first", "best-end", "fewest-pages", "bump"])
     ap.add_argument("traces", nargs="+")
     ap.add_argument("--small-apart", type=int, default=0, metavar="BYTES",
                     help="requests of at most BYTES in an address space of their own")
