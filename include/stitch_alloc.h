@@ -47,6 +47,8 @@
  *   contiguous:true|false       grow large spans at the end of a run, free tails coalescing (default true)
  *   loop_region:true|false      settle a loop that stitches every step in one run that
  *                               only grows (default true)
+ *   chain_fit:true|false        place a growing chain's next copy (a KV cache grown by
+ *                               concatenation) by next fit (default true)
  *   prealloc:SIZE               create and map a pool of SIZE at the first allocation
  *   medium_threshold:N, medium_page:N
  *                               pack requests up to N into shared pages (default off)

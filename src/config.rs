@@ -177,6 +177,16 @@ pub struct Config {
     /// [`Config::prealloc`] is the remedy.
     #[serde(deserialize_with = "de_flag")]
     pub loop_region: bool,
+    /// Growing chains placed by next fit (default on): a large request up to 64 KiB larger
+    /// than a live one, where such requests' smaller neighbours have mostly been freed right
+    /// after them (a KV cache grown by `torch.cat` each token), is placed in the free block at
+    /// the lowest address after where the last such copy ended instead of the best-fitting
+    /// one, so that the copies of a step fill the holes of the step before in order
+    /// (`engine/chains.rs`; design/zoo.md "Nineteenth session": a synthetic serving loop
+    /// 1.05-1.09 -> 1.034-1.066 of peak live, the zoo unchanged or lower). Off: every request
+    /// takes the best fit.
+    #[serde(deserialize_with = "de_flag")]
+    pub chain_fit: bool,
     /// Check every invariant after each operation (slow; for tests and fuzzing).
     #[serde(deserialize_with = "de_flag")]
     pub paranoid: bool,
@@ -203,6 +213,7 @@ impl Default for Config {
             va_limit: 32 << 40,
             prealloc: 0,
             loop_region: true,
+            chain_fit: true,
             paranoid: false,
         }
     }
@@ -319,6 +330,18 @@ impl Config {
     /// ```
     pub fn with_loop_region(mut self, on: bool) -> Self {
         self.loop_region = on;
+        self
+    }
+
+    /// Turn next-fit placement of growing chains ([`Config::chain_fit`]) on or off.
+    ///
+    /// ```
+    /// use stitch_alloc::Config;
+    /// assert!(Config::default().chain_fit);
+    /// assert!(!Config::default().with_chain_fit(false).chain_fit);
+    /// ```
+    pub fn with_chain_fit(mut self, on: bool) -> Self {
+        self.chain_fit = on;
         self
     }
 
@@ -473,6 +496,7 @@ impl Config {
             split_min,
             recreate: self.recreate,
             loop_region: self.loop_region,
+            chain_fit: self.chain_fit,
             contiguous: self.contiguous,
             stitching: self.stitching,
             reserve_slack: self.reserve_slack,
@@ -521,6 +545,7 @@ pub(crate) struct Resolved {
     pub split_min: u64,
     pub recreate: bool,
     pub loop_region: bool,
+    pub chain_fit: bool,
     pub contiguous: bool,
     pub stitching: bool,
     /// Finite, in `[0, MAX_RESERVE_SLACK]`.
@@ -1124,10 +1149,12 @@ mod tests {
         let e = from_pairs::<Config>(&split_pairs("stitching:maybe").unwrap()).unwrap_err();
         assert!(e.contains("true or false"), "{e}");
         let names = field_names::<Config>();
-        assert_eq!(names.len(), 19);
+        assert_eq!(names.len(), 20);
         assert!(names.contains(&"contiguous") && names.contains(&"loop_region"));
         let c: Config = from_pairs(&split_pairs("loop_region:off").unwrap()).unwrap();
         assert!(!c.loop_region && Config::default().loop_region);
+        let c: Config = from_pairs(&split_pairs("chain_fit:off").unwrap()).unwrap();
+        assert!(!c.chain_fit && Config::default().chain_fit);
         assert!(names.contains(&"reserve_slack_min") && names.contains(&"capacity"));
     }
 }

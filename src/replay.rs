@@ -185,6 +185,9 @@ pub struct ReplayReport {
     /// Stitches made in the same state as an earlier one at the same lifetime peak
     /// ([`crate::Stats::repeated_stitches`]).
     pub repeated_stitches: u64,
+    /// Large allocations placed by next fit as a growing chain's next copy
+    /// ([`crate::Stats::chain_fits`]).
+    pub chain_fits: u64,
     /// Handles moved by stitching.
     pub stitched_handles: u64,
     /// Clean handles released by stitching to create the span's memory anew.
@@ -626,6 +629,7 @@ pub fn replay<D: Driver>(
     r.events_per_sec = r.events as f64 / replay_secs;
     r.stitches = s.stitches;
     r.repeated_stitches = s.repeated_stitches;
+    r.chain_fits = s.chain_fits;
     r.stitched_handles = s.stitched_handles;
     r.recreated_handles = s.recreated_handles;
     r.extensions = s.extensions;

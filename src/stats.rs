@@ -164,6 +164,9 @@ pub struct Stats {
     /// session"), a step that fragments more needs more (1.5 x for a checkerboard). After
     /// eight the allocator says so once, as a `tracing` warning naming 1.05 x the peak.
     pub repeated_stitches: u64,
+    /// Large allocations placed by next fit as a growing chain's next copy
+    /// ([`crate::Config::chain_fit`]).
+    pub chain_fits: u64,
     /// Times the loop region was entered ([`crate::Config::loop_region`]): a loop stitched
     /// again in a state it stitched in before, and its large requests were given one run
     /// that only grows.
@@ -222,6 +225,7 @@ impl Stats {
         self.slow_allocs = 0;
         self.stitches = 0;
         self.repeated_stitches = 0;
+        self.chain_fits = 0;
         self.loop_region_entries = 0;
         self.loop_region_exits = 0;
         self.extensions = 0;

@@ -676,8 +676,9 @@ def memory_stats(device=None):
     own: ``stitches``, ``stitched_handles``, ``recreated_handles``, ``repeated_stitches``
     (stitches made in the state of an earlier one: a loop stitching at the same point of each
     step), ``loop_region_entries`` / ``loop_region_exits`` (the loop region's turns: such a
-    loop's large requests placed in one run that only grows), ``extensions``,
-    ``stranded_bytes``,
+    loop's large requests placed in one run that only grows), ``chain_fits`` (large requests
+    placed by next fit as a growing chain's next copy, a KV cache grown by concatenation),
+    ``extensions``, ``stranded_bytes``,
     ``driver_calls``, ``vmm_calls``, ``driver_time_us`` (wall time inside the driver),
     ``malloc_free_calls`` and ``malloc_free_time_us`` (the process's ``stitch_malloc`` /
     ``stitch_free`` calls and their time from entry to return: driver calls measured in
@@ -700,6 +701,7 @@ def memory_stats(device=None):
             "repeated_stitches": s.get("repeated_stitches", 0),
             "loop_region_entries": s.get("loop_region_entries", 0),
             "loop_region_exits": s.get("loop_region_exits", 0),
+            "chain_fits": s.get("chain_fits", 0),
             "preallocated_bytes": s.get("preallocated", 0),
             "extensions": s["extensions"],
             "stranded_bytes": f["stranded_bytes"],

@@ -155,6 +155,11 @@ struct AllocArgs {
     /// it one run that only grows (Config::loop_region off).
     #[arg(long)]
     no_loop_region: bool,
+    /// Place growing chains (a request a little larger than a live one that is freed right
+    /// after, as a KV cache grown by concatenation) by best fit like any other request
+    /// (Config::chain_fit off).
+    #[arg(long)]
+    no_chain_fit: bool,
     /// Contiguous growth: map each new large span after the end of a run and link it in,
     /// so free tails coalesce with new memory (Config::contiguous; the default, so this
     /// flag only states it).
@@ -196,6 +201,7 @@ impl AllocArgs {
             split_min: None,
             no_recreate: false,
             no_loop_region: false,
+            no_chain_fit: false,
             contiguous: false,
             no_contiguous: false,
             reserve_slack: None,
@@ -228,6 +234,7 @@ impl AllocArgs {
         }
         c.recreate = !self.no_recreate;
         c.loop_region = !self.no_loop_region;
+        c.chain_fit = !self.no_chain_fit;
         c.contiguous = self.contiguous || (c.contiguous && !self.no_contiguous);
         if let Some(v) = self.reserve_slack {
             c.reserve_slack = v;

@@ -167,6 +167,30 @@ impl Bins {
         m
     }
 
+    /// Call `f` with every block of the request's own class and above: every block of at
+    /// least `size` bytes, and some smaller ones of its class (the caller checks).
+    pub(crate) fn for_each_fitting(&self, blocks: &[Block], size: u64, mut f: impl FnMut(u32)) {
+        let (f0, s0) = class((size >> 9).max(1));
+        let mut fl = self.fl & (!0u64 << f0);
+        while fl != 0 {
+            let fi = fl.trailing_zeros() as usize;
+            fl &= fl - 1;
+            let mut sl = self.sl[fi];
+            if fi == f0 {
+                sl &= !0u32 << s0;
+            }
+            while sl != 0 {
+                let si = sl.trailing_zeros() as usize;
+                sl &= sl - 1;
+                let mut i = self.heads[fi][si];
+                while i != NIL {
+                    f(i);
+                    i = blocks[i as usize].fnext;
+                }
+            }
+        }
+    }
+
     /// Every block in the lists.
     pub(crate) fn collect(&self, blocks: &[Block], out: &mut Vec<u32>) {
         let mut fl = self.fl;
@@ -282,6 +306,26 @@ mod tests {
         assert_eq!(b.find(&blocks, 2 << 9), Some(3));
         assert_eq!(b.find(&blocks, 401 << 9), None);
         assert_eq!(b.largest(&blocks), 400 << 9);
+    }
+
+    #[test]
+    fn for_each_fitting_visits_every_block_that_fits() {
+        let units = [1, 3, 15, 16, 17, 40, 100, 1000, 5000];
+        let (blocks, bins) = listed(&units);
+        for want in [1u64, 2, 16, 17, 41, 999, 1000, 5000, 5001] {
+            let mut seen = Vec::new();
+            bins.for_each_fitting(&blocks, want << 9, |i| {
+                seen.push(blocks[i as usize].size >> 9)
+            });
+            for u in units {
+                // Every block that fits is visited; one that does not only from its class.
+                assert_eq!(
+                    seen.contains(&u),
+                    u >= want || class(u) == class(want),
+                    "{want} units: {u}"
+                );
+            }
+        }
     }
 
     #[test]

@@ -26,6 +26,7 @@
 
 mod arena;
 mod bins;
+mod chains;
 mod fences;
 mod ghosts;
 mod handles;
@@ -94,6 +95,8 @@ pub(crate) struct Engine {
     repeats: repeats::Repeats,
     /// The loop region, while a fixed-shape loop is being settled (`region`).
     region: region::LoopRegion,
+    /// What tells a growing chain's next copy, and where the last one ended (`chains`).
+    chains: chains::Chains,
     /// Counters; `requested`, `allocated`, `live_allocations`, `pending_free`, `reserved`,
     /// `mapped` and `handles` always equal what the structures hold.
     pub(crate) stats: Stats,
@@ -120,6 +123,7 @@ impl Engine {
             policy: Box::new(StitchPolicy),
             repeats: repeats::Repeats::default(),
             region: region::LoopRegion::default(),
+            chains: chains::Chains::default(),
             stats: Stats::default(),
             shut_down: false,
             reserved_ceiling: 0,
@@ -295,6 +299,19 @@ impl Engine {
         } else {
             None
         };
+        if self.chain_request(pool, size) {
+            let g = self.cfg.granularity;
+            if let Some(i) = self
+                .chains
+                .next_fit(&self.arena, &self.handles, g, rsize, own)
+            {
+                self.stats.fast_allocs += 1;
+                self.stats.chain_fits += 1;
+                let p = self.take(i, rsize, size, stream);
+                self.chains.placed_at(p + rsize);
+                return Ok(Step::Done(p));
+            }
+        }
         let found = match self.region.range {
             Some(_) if pool == Pool::Large => self.find_in_region(rsize, own),
             _ => self.arena.find(rsize, pool, own),
@@ -311,6 +328,17 @@ impl Engine {
             return self.alloc_slow(d, (size, rsize, pool, stream), (true, rounds));
         }
         self.alloc_slow(d, (size, rsize, pool, stream), (false, rounds))
+    }
+
+    /// Whether a request of `size` bytes in `pool` is placed as a growing chain's next copy
+    /// (`Config::chain_fit`, `chains`): not inside the loop region, which places a fixed-shape
+    /// loop's requests itself.
+    #[inline]
+    fn chain_request(&mut self, pool: Pool, size: u64) -> bool {
+        self.cfg.chain_fit
+            && pool == Pool::Large
+            && self.region.range.is_none()
+            && self.chains.next_copy(size)
     }
 
     /// The over-fit rule's budget: the growth policy's, without the repeat allowance. The
@@ -342,6 +370,9 @@ impl Engine {
         } else {
             placement::contiguous_offset(&self.arena, handles, self.cfg.granularity, i, rsize)
         };
+        if self.arena.blocks[i as usize].pool == Pool::Large {
+            self.chains.add(requested);
+        }
         let addr = self.arena.take(i, rsize, requested, stream, |a, size| {
             if !place {
                 return aligned;
@@ -573,6 +604,9 @@ impl Engine {
     /// for, `size` held) leaves the live map, its extra streams and the live statistics.
     fn forget_live(&mut self, ptr: u64, i: u32, requested: u64, size: u64) {
         self.arena.live.remove(&ptr);
+        if self.arena.blocks[i as usize].pool == Pool::Large {
+            self.chains.remove(requested);
+        }
         self.fences.extra_streams.remove(&i);
         let s = &mut self.stats;
         s.requested.sub(requested);
@@ -729,6 +763,7 @@ impl Engine {
         let ghost_bytes = self.ghosts.validate(&self.handles, &self.va)?;
         self.validate_events()?;
         self.va.validate()?;
+        self.chains.validate(&self.arena)?;
         // Every block lies in contiguously mapped handles, which the blocks cover exactly.
         for (i, b) in self.arena.blocks.iter().enumerate() {
             if b.state == State::Vacant {
