@@ -1522,8 +1522,8 @@ fn growing_chains_by_next_fit_hold_less_than_best_fit_on_the_serving_loop() {
         let t = gen::generate(Kind::Serve, seed, Scale::Full);
         for lag in [0, 1000] {
             let run = |on: bool| {
-                let a = Allocator::new(SimDriver::new(), Config::default().with_chain_fit(on))
-                    .unwrap();
+                let a =
+                    Allocator::new(SimDriver::new(), Config::default().with_chain_fit(on)).unwrap();
                 let r = replay(
                     &t,
                     &a,
