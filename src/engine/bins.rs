@@ -169,8 +169,17 @@ impl Bins {
 
     /// Call `f` with every block of the request's own class and above: every block of at
     /// least `size` bytes, and some smaller ones of its class (the caller checks).
-    pub(crate) fn for_each_fitting(&self, blocks: &[Block], size: u64, mut f: impl FnMut(u32)) {
-        let (f0, s0) = class((size >> 9).max(1));
+    pub(crate) fn for_each_fitting(&self, blocks: &[Block], size: u64, f: impl FnMut(u32)) {
+        self.for_each_from(blocks, class((size >> 9).max(1)), f);
+    }
+
+    /// Every block in the lists.
+    pub(crate) fn collect(&self, blocks: &[Block], out: &mut Vec<u32>) {
+        self.for_each_from(blocks, (0, 0), |i| out.push(i));
+    }
+
+    /// Call `f` with every block of class `(f0, s0)` and above, class by class.
+    fn for_each_from(&self, blocks: &[Block], (f0, s0): (usize, usize), mut f: impl FnMut(u32)) {
         let mut fl = self.fl & (!0u64 << f0);
         while fl != 0 {
             let fi = fl.trailing_zeros() as usize;
@@ -185,25 +194,6 @@ impl Bins {
                 let mut i = self.heads[fi][si];
                 while i != NIL {
                     f(i);
-                    i = blocks[i as usize].fnext;
-                }
-            }
-        }
-    }
-
-    /// Every block in the lists.
-    pub(crate) fn collect(&self, blocks: &[Block], out: &mut Vec<u32>) {
-        let mut fl = self.fl;
-        while fl != 0 {
-            let f = fl.trailing_zeros() as usize;
-            fl &= fl - 1;
-            let mut sl = self.sl[f];
-            while sl != 0 {
-                let s = sl.trailing_zeros() as usize;
-                sl &= sl - 1;
-                let mut i = self.heads[f][s];
-                while i != NIL {
-                    out.push(i);
                     i = blocks[i as usize].fnext;
                 }
             }

@@ -50,8 +50,6 @@ pub(crate) struct Chains {
     score: f64,
     /// Where the last copy placed as a chain ended (next fit starts there).
     rover: u64,
-    /// Large allocations placed as a chain's next copy (`Stats::chain_fits` mirrors it).
-    pub(crate) placed: u64,
 }
 
 impl Chains {
@@ -102,7 +100,6 @@ impl Chains {
     /// A copy was placed as a chain at `[addr, end)`.
     pub(crate) fn placed_at(&mut self, end: u64) {
         self.rover = end;
-        self.placed += 1;
     }
 
     /// Next fit for `rsize` bytes: among the free large blocks that hold them (clean, or
