@@ -1,7 +1,8 @@
 //! Where the excess of peak reserved over peak live sits at the peak: replay a trace (with a
 //! simulated GPU lag) and classify every free byte of the large pool that lies in a handle
 //! holding live bytes, by where its free block sits in its run.
-//! `cargo run --release --example breakdown -- TRACE [GPU_LAG] [runs] [live-peak] [growth]`;
+//! `cargo run --release --example breakdown -- TRACE [GPU_LAG] [runs] [live-peak] [growth]
+//! [no-chain-fit]`;
 //! with `runs`, each large run at the peak too: the VA gap before it and its blocks in order,
 //! `l` live, `p` pending, `f` free, `d` dirty (freed by a stream, not yet fenced), in MiB.
 //! The layout is the one when reserved last reached its peak; with `live-peak`, the one right
@@ -24,7 +25,11 @@ fn main() {
     let m = |x: u64| x as f64 / (1u64 << 20) as f64;
     // A first pass for the timeline: where live bytes peak, and where reserved grows.
     let stop_after = if has("live-peak") || has("growth") {
-        let a = Allocator::new(SimDriver::new(), Config::default()).unwrap();
+        let a = Allocator::new(
+            SimDriver::new(),
+            Config::default().with_chain_fit(!has("no-chain-fit")),
+        )
+        .unwrap();
         let opts = ReplayOptions {
             gpu_lag: lag,
             timeline: true,
@@ -63,7 +68,11 @@ fn main() {
     } else {
         None
     };
-    let a = Allocator::new(SimDriver::new(), Config::default()).unwrap();
+    let a = Allocator::new(
+        SimDriver::new(),
+        Config::default().with_chain_fit(!has("no-chain-fit")),
+    )
+    .unwrap();
     let opts = ReplayOptions {
         gpu_lag: lag,
         peak_layout: true,
