@@ -23,13 +23,10 @@ fn main() {
     let list_runs = has("runs");
     let t = read_path(&path, ReadOptions::default()).expect("trace");
     let m = |x: u64| x as f64 / (1u64 << 20) as f64;
+    let cfg = Config::default().with_chain_fit(!has("no-chain-fit"));
     // A first pass for the timeline: where live bytes peak, and where reserved grows.
     let stop_after = if has("live-peak") || has("growth") {
-        let a = Allocator::new(
-            SimDriver::new(),
-            Config::default().with_chain_fit(!has("no-chain-fit")),
-        )
-        .unwrap();
+        let a = Allocator::new(SimDriver::new(), cfg.clone()).unwrap();
         let opts = ReplayOptions {
             gpu_lag: lag,
             timeline: true,
@@ -68,11 +65,7 @@ fn main() {
     } else {
         None
     };
-    let a = Allocator::new(
-        SimDriver::new(),
-        Config::default().with_chain_fit(!has("no-chain-fit")),
-    )
-    .unwrap();
+    let a = Allocator::new(SimDriver::new(), cfg).unwrap();
     let opts = ReplayOptions {
         gpu_lag: lag,
         peak_layout: true,
