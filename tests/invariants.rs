@@ -29,17 +29,6 @@ proptest! {
         h.run(&ops).map_err(TestCaseError::fail)?;
     }
 
-    /// Small requests in the free ends of large handles (`Config::small_in_tails`), streams
-    /// and a tight device: the shared blocks keep every invariant (OOMs against the
-    /// zero-fragmentation bound, the stream rule, aliasing, the chains' count of large
-    /// requests).
-    #[test]
-    fn sim_small_in_tails(ops in prop::collection::vec(common::op(256 * MIB, true), 1..250)) {
-        let cfg = Config::default().with_small_in_tails(true);
-        let h = Harness::new(SimDriver::with_capacity(256 * MIB), cfg).unwrap();
-        h.run(&ops).map_err(TestCaseError::fail)?;
-    }
-
     /// Contiguous growth (`Config::contiguous`), streams and a tight device: OOMs checked
     /// against the zero-fragmentation bound, the stream rule, aliasing.
     #[test]

@@ -27,8 +27,6 @@ fuzz_target!(|data: &[u8]| {
                 cfg.split_min = 4 * MIB;
                 cfg.handle_divisor = 32;
             }
-            // Small requests in the free ends of large handles.
-            cfg.small_in_tails = b & 64 != 0;
             (cfg, rest)
         }
         None => return,
