@@ -49,8 +49,6 @@
  *                               only grows (default true)
  *   chain_fit:true|false        place a growing chain's next copy (a KV cache grown by
  *                               concatenation) by next fit (default true)
- *   small_in_tails:true|false   let a small request take the free end of a granule-sized
- *                               large handle before a new small page is made (default false)
  *   prealloc:SIZE               create and map a pool of SIZE at the first allocation
  *   medium_threshold:N, medium_page:N
  *                               pack requests up to N into shared pages (default off)

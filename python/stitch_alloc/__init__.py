@@ -678,8 +678,6 @@ def memory_stats(device=None):
     step), ``loop_region_entries`` / ``loop_region_exits`` (the loop region's turns: such a
     loop's large requests placed in one run that only grows), ``chain_fits`` (large requests
     placed by next fit as a growing chain's next copy, a KV cache grown by concatenation),
-    ``small_in_tails`` (small requests placed in the free end of a large handle,
-    ``small_in_tails:on``),
     ``extensions``, ``stranded_bytes``,
     ``driver_calls``, ``vmm_calls``, ``driver_time_us`` (wall time inside the driver),
     ``malloc_free_calls`` and ``malloc_free_time_us`` (the process's ``stitch_malloc`` /
@@ -704,7 +702,6 @@ def memory_stats(device=None):
             "loop_region_entries": s.get("loop_region_entries", 0),
             "loop_region_exits": s.get("loop_region_exits", 0),
             "chain_fits": s.get("chain_fits", 0),
-            "small_in_tails": s.get("small_in_tails", 0),
             "preallocated_bytes": s.get("preallocated", 0),
             "extensions": s["extensions"],
             "stranded_bytes": f["stranded_bytes"],

@@ -632,8 +632,7 @@ impl Engine {
     fn forget_live(&mut self, ptr: u64, i: u32, requested: u64, size: u64) {
         self.arena.live.remove(&ptr);
         // A small request in a large handle's end (`tails`) is not a large request.
-        if self.arena.blocks[i as usize].pool == Pool::Large
-            && requested > self.cfg.medium_threshold
+        if self.arena.blocks[i as usize].pool == Pool::Large && requested > self.cfg.medium_threshold
         {
             self.chains.remove(requested);
         }
@@ -793,8 +792,7 @@ impl Engine {
         let ghost_bytes = self.ghosts.validate(&self.handles, &self.va)?;
         self.validate_events()?;
         self.va.validate()?;
-        self.chains
-            .validate(&self.arena, self.cfg.medium_threshold)?;
+        self.chains.validate(&self.arena, self.cfg.medium_threshold)?;
         // Every block lies in contiguously mapped handles, which the blocks cover exactly.
         for (i, b) in self.arena.blocks.iter().enumerate() {
             if b.state == State::Vacant {

@@ -67,9 +67,7 @@ mod tests {
     const MIB: u64 = 1 << 20;
 
     fn allocator(cfg: Config) -> Allocator<SimDriver> {
-        let cfg = cfg
-            .with_paranoid(true)
-            .with_capacity(Capacity::Bytes(1 << 30));
+        let cfg = cfg.with_paranoid(true).with_capacity(Capacity::Bytes(1 << 30));
         Allocator::new(SimDriver::new(), cfg).unwrap()
     }
 
@@ -89,10 +87,7 @@ mod tests {
                 assert_eq!(small_pages, 0, "no small page made");
                 for p in &smalls {
                     let d = p.addr() - big.addr();
-                    assert!(
-                        (5 * MIB / 2..4 * MIB).contains(&d),
-                        "{d} bytes past the large block"
-                    );
+                    assert!((5 * MIB / 2..4 * MIB).contains(&d), "{d} bytes past the large block");
                 }
             } else {
                 assert_eq!(a.stats().small_in_tails, 0);
@@ -138,10 +133,7 @@ mod tests {
         let small = a.alloc(4096, s).unwrap();
         assert_eq!(a.stats().small_in_tails, 1);
         a.free(big, s).unwrap();
-        assert!(
-            a.snapshot().handles.iter().any(|h| h.holds_live),
-            "the small block pins one"
-        );
+        assert!(a.snapshot().handles.iter().any(|h| h.holds_live), "the small block pins one");
         a.free(small, s).unwrap();
         assert!(a.snapshot().handles.iter().all(|h| !h.holds_live));
         // Both handles serve one 4 MiB request in place: no new memory.
