@@ -187,15 +187,6 @@ pub struct Config {
     /// takes the best fit.
     #[serde(deserialize_with = "de_flag")]
     pub chain_fit: bool,
-    /// Small requests in the free ends of large handles (default off): a small request that
-    /// fits no free block of the small pool takes, before a new small page is made, a free
-    /// block of the large pool that lies inside one granule-sized handle holding live bytes
-    /// (the unused end of a large allocation rounded to the granularity), which no large
-    /// request of that handle's size can use and no stitch can move. Such a handle then
-    /// serves as a small page does; it pins at most one granule (`engine/tails.rs`,
-    /// design/zoo.md "Twenty-second session"). Off: small requests use small pages only.
-    #[serde(deserialize_with = "de_flag")]
-    pub small_in_tails: bool,
     /// Check every invariant after each operation (slow; for tests and fuzzing).
     #[serde(deserialize_with = "de_flag")]
     pub paranoid: bool,
@@ -223,7 +214,6 @@ impl Default for Config {
             prealloc: 0,
             loop_region: true,
             chain_fit: true,
-            small_in_tails: false,
             paranoid: false,
         }
     }
@@ -352,19 +342,6 @@ impl Config {
     /// ```
     pub fn with_chain_fit(mut self, on: bool) -> Self {
         self.chain_fit = on;
-        self
-    }
-
-    /// Turn small requests in the free ends of large handles ([`Config::small_in_tails`])
-    /// on or off.
-    ///
-    /// ```
-    /// use stitch_alloc::Config;
-    /// assert!(!Config::default().small_in_tails);
-    /// assert!(Config::default().with_small_in_tails(true).small_in_tails);
-    /// ```
-    pub fn with_small_in_tails(mut self, on: bool) -> Self {
-        self.small_in_tails = on;
         self
     }
 
@@ -520,7 +497,6 @@ impl Config {
             recreate: self.recreate,
             loop_region: self.loop_region,
             chain_fit: self.chain_fit,
-            small_in_tails: self.small_in_tails,
             contiguous: self.contiguous,
             stitching: self.stitching,
             reserve_slack: self.reserve_slack,
@@ -570,7 +546,6 @@ pub(crate) struct Resolved {
     pub recreate: bool,
     pub loop_region: bool,
     pub chain_fit: bool,
-    pub small_in_tails: bool,
     pub contiguous: bool,
     pub stitching: bool,
     /// Finite, in `[0, MAX_RESERVE_SLACK]`.
@@ -1174,14 +1149,12 @@ mod tests {
         let e = from_pairs::<Config>(&split_pairs("stitching:maybe").unwrap()).unwrap_err();
         assert!(e.contains("true or false"), "{e}");
         let names = field_names::<Config>();
-        assert_eq!(names.len(), 21);
+        assert_eq!(names.len(), 20);
         assert!(names.contains(&"contiguous") && names.contains(&"loop_region"));
         let c: Config = from_pairs(&split_pairs("loop_region:off").unwrap()).unwrap();
         assert!(!c.loop_region && Config::default().loop_region);
         let c: Config = from_pairs(&split_pairs("chain_fit:off").unwrap()).unwrap();
         assert!(!c.chain_fit && Config::default().chain_fit);
-        let c: Config = from_pairs(&split_pairs("small_in_tails:on").unwrap()).unwrap();
-        assert!(c.small_in_tails && !Config::default().small_in_tails);
         assert!(names.contains(&"reserve_slack_min") && names.contains(&"capacity"));
     }
 }

@@ -167,9 +167,6 @@ pub struct Stats {
     /// Large allocations placed by next fit as a growing chain's next copy
     /// ([`crate::Config::chain_fit`]).
     pub chain_fits: u64,
-    /// Small requests placed in the free end of a large handle
-    /// ([`crate::Config::small_in_tails`]).
-    pub small_in_tails: u64,
     /// Times the loop region was entered ([`crate::Config::loop_region`]): a loop stitched
     /// again in a state it stitched in before, and its large requests were given one run
     /// that only grows.
@@ -229,7 +226,6 @@ impl Stats {
         self.stitches = 0;
         self.repeated_stitches = 0;
         self.chain_fits = 0;
-        self.small_in_tails = 0;
         self.loop_region_entries = 0;
         self.loop_region_exits = 0;
         self.extensions = 0;

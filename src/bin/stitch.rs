@@ -160,10 +160,6 @@ struct AllocArgs {
     /// (Config::chain_fit off).
     #[arg(long)]
     no_chain_fit: bool,
-    /// Let small requests take the free ends of granule-sized large handles before a new
-    /// small page is made (Config::small_in_tails on).
-    #[arg(long)]
-    small_in_tails: bool,
     /// Contiguous growth: map each new large span after the end of a run and link it in,
     /// so free tails coalesce with new memory (Config::contiguous; the default, so this
     /// flag only states it).
@@ -206,7 +202,6 @@ impl AllocArgs {
             no_recreate: false,
             no_loop_region: false,
             no_chain_fit: false,
-            small_in_tails: false,
             contiguous: false,
             no_contiguous: false,
             reserve_slack: None,
@@ -240,7 +235,6 @@ impl AllocArgs {
         c.recreate = !self.no_recreate;
         c.loop_region = !self.no_loop_region;
         c.chain_fit = !self.no_chain_fit;
-        c.small_in_tails = self.small_in_tails;
         c.contiguous = self.contiguous || (c.contiguous && !self.no_contiguous);
         if let Some(v) = self.reserve_slack {
             c.reserve_slack = v;

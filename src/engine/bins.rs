@@ -170,44 +170,23 @@ impl Bins {
     /// Call `f` with every block of the request's own class and above: every block of at
     /// least `size` bytes, and some smaller ones of its class (the caller checks).
     pub(crate) fn for_each_fitting(&self, blocks: &[Block], size: u64, f: impl FnMut(u32)) {
-        self.for_each_in(blocks, class((size >> 9).max(1)), (FL - 1, SL - 1), f);
-    }
-
-    /// Call `f` with every block whose class lies between the classes of `lo` and `hi`
-    /// bytes (both included): every block of `lo..=hi` bytes, and some smaller or larger
-    /// ones of the end classes (the caller checks).
-    pub(crate) fn for_each_between(&self, blocks: &[Block], lo: u64, hi: u64, f: impl FnMut(u32)) {
-        let last = class((hi >> 9).max(1));
-        self.for_each_in(blocks, class((lo >> 9).max(1)), last, f);
+        self.for_each_from(blocks, class((size >> 9).max(1)), f);
     }
 
     /// Every block in the lists.
     pub(crate) fn collect(&self, blocks: &[Block], out: &mut Vec<u32>) {
-        self.for_each_in(blocks, (0, 0), (FL - 1, SL - 1), |i| out.push(i));
+        self.for_each_from(blocks, (0, 0), |i| out.push(i));
     }
 
-    /// Call `f` with every block of class `(f0, s0)` up to class `last` (included), class by
-    /// class.
-    fn for_each_in(
-        &self,
-        blocks: &[Block],
-        (f0, s0): (usize, usize),
-        last: (usize, usize),
-        mut f: impl FnMut(u32),
-    ) {
+    /// Call `f` with every block of class `(f0, s0)` and above, class by class.
+    fn for_each_from(&self, blocks: &[Block], (f0, s0): (usize, usize), mut f: impl FnMut(u32)) {
         let mut fl = self.fl & (!0u64 << f0);
         while fl != 0 {
             let fi = fl.trailing_zeros() as usize;
             fl &= fl - 1;
-            if fi > last.0 {
-                return;
-            }
             let mut sl = self.sl[fi];
             if fi == f0 {
                 sl &= !0u32 << s0;
-            }
-            if fi == last.0 && last.1 + 1 < SL {
-                sl &= !(!0u32 << (last.1 + 1));
             }
             while sl != 0 {
                 let si = sl.trailing_zeros() as usize;

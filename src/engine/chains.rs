@@ -40,8 +40,7 @@ const CONFIRMED: f64 = 0.5;
 #[derive(Debug, Default)]
 pub(crate) struct Chains {
     /// requested size -> how many live large allocations asked for it: exactly the live
-    /// blocks of the large pool that hold large requests, counted by their `requested`
-    /// (checked by `validate`).
+    /// blocks of the large pool, counted by their `requested` (checked by `validate`).
     live: BTreeMap<u64, u32>,
     /// The sizes of the last candidates (at most [`WINDOW`]) whose smaller neighbour has not
     /// been freed yet, oldest first.
@@ -145,16 +144,13 @@ impl Chains {
         after.or(first).map(|(_, i)| i)
     }
 
-    /// Check the live sizes against the live blocks of `arena`'s large pool that hold
-    /// large requests (above `medium_threshold`; small ones sit in handles' ends, `tails`).
-    pub(crate) fn validate(&self, arena: &Arena, medium_threshold: u64) -> Result<(), String> {
+    /// Check the live sizes against the live large blocks of `arena`.
+    pub(crate) fn validate(&self, arena: &Arena) -> Result<(), String> {
         let mut want: BTreeMap<u64, u32> = BTreeMap::new();
         for &i in arena.live.values() {
             let b = &arena.blocks[i as usize];
             if let (Pool::Large, State::Live { requested, .. }) = (b.pool, b.state) {
-                if requested > medium_threshold {
-                    *want.entry(requested).or_insert(0) += 1;
-                }
+                *want.entry(requested).or_insert(0) += 1;
             }
         }
         if want != self.live {

@@ -39,7 +39,6 @@ mod report;
 mod share;
 mod single;
 mod span;
-mod tails;
 mod va;
 
 pub use arena::Pool;
@@ -317,13 +316,6 @@ impl Engine {
             Some(_) if pool == Pool::Large => self.find_in_region(rsize, own),
             _ => self.arena.find(rsize, pool, own),
         };
-        if found.is_none() && pool == Pool::Small && self.cfg.small_in_tails {
-            // Before the slow path (which would poll the fences and make a page): the free
-            // end of a large handle, if one fits.
-            if let Some(addr) = self.small_in_tail(size, rsize, stream) {
-                return Ok(Step::Done(addr));
-            }
-        }
         if let Some(i) = found {
             // A large request would pin a free block four or more times its size: create a
             // fitting one instead while within the growth budget.
@@ -387,32 +379,13 @@ impl Engine {
             }
             placement::best_offset(a, size, rsize, handles.spans_from(a, a + size))
         });
-        self.count_take(requested, rsize);
-        addr
-    }
-
-    /// The statistics of one allocation handed out.
-    #[inline]
-    fn count_take(&mut self, requested: u64, rsize: u64) {
         let s = &mut self.stats;
         s.requested.add(requested);
         s.requested_lifetime_peak = s.requested_lifetime_peak.max(s.requested.current);
         s.allocated.add(rsize);
         s.live_allocations.add(1);
         s.allocs += 1;
-    }
-
-    /// Place a small request in the free end of a large handle (`Config::small_in_tails`,
-    /// `tails`), if one fits: the address.
-    fn small_in_tail(&mut self, size: u64, rsize: u64, stream: Stream) -> Option<u64> {
-        let own = self.fences.owner_index(stream);
-        let i = tails::find(&self.arena, &self.handles, self.cfg.granularity, rsize, own)?;
-        self.stats.small_in_tails += 1;
-        self.stats.fast_allocs += 1;
-        // At the block's start: right after the live bytes that share its handle.
-        let addr = self.arena.take(i, rsize, size, stream, |_, _| 0);
-        self.count_take(size, rsize);
-        Some(addr)
+        addr
     }
 
     /// `Arena::find_exhaustive` for `stream` (inside the loop region for a large request
@@ -631,9 +604,7 @@ impl Engine {
     /// for, `size` held) leaves the live map, its extra streams and the live statistics.
     fn forget_live(&mut self, ptr: u64, i: u32, requested: u64, size: u64) {
         self.arena.live.remove(&ptr);
-        // A small request in a large handle's end (`tails`) is not a large request.
-        if self.arena.blocks[i as usize].pool == Pool::Large && requested > self.cfg.medium_threshold
-        {
+        if self.arena.blocks[i as usize].pool == Pool::Large {
             self.chains.remove(requested);
         }
         self.fences.extra_streams.remove(&i);
@@ -792,7 +763,7 @@ impl Engine {
         let ghost_bytes = self.ghosts.validate(&self.handles, &self.va)?;
         self.validate_events()?;
         self.va.validate()?;
-        self.chains.validate(&self.arena, self.cfg.medium_threshold)?;
+        self.chains.validate(&self.arena)?;
         // Every block lies in contiguously mapped handles, which the blocks cover exactly.
         for (i, b) in self.arena.blocks.iter().enumerate() {
             if b.state == State::Vacant {
