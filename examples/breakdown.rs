@@ -2,7 +2,7 @@
 //! simulated GPU lag) and classify every free byte of the large pool that lies in a handle
 //! holding live bytes, by where its free block sits in its run.
 //! `cargo run --release --example breakdown -- TRACE [GPU_LAG] [runs] [live-peak] [growth]
-//! [no-chain-fit]`;
+//! [no-chain-fit] [small=BYTES]` (`small=`: `Config::small_threshold`);
 //! with `runs`, each large run at the peak too: the VA gap before it and its blocks in order,
 //! `l` live, `p` pending, `f` free, `d` dirty (freed by a stream, not yet fenced), in MiB.
 //! The layout is the one when reserved last reached its peak; with `live-peak`, the one right
@@ -23,7 +23,10 @@ fn main() {
     let list_runs = has("runs");
     let t = read_path(&path, ReadOptions::default()).expect("trace");
     let m = |x: u64| x as f64 / (1u64 << 20) as f64;
-    let cfg = Config::default().with_chain_fit(!has("no-chain-fit"));
+    let mut cfg = Config::default().with_chain_fit(!has("no-chain-fit"));
+    if let Some(v) = words.iter().find_map(|w| w.strip_prefix("small=")) {
+        cfg = cfg.with_small_threshold(v.parse().unwrap());
+    }
     // A first pass for the timeline: where live bytes peak, and where reserved grows.
     let stop_after = if has("live-peak") || has("growth") {
         let a = Allocator::new(SimDriver::new(), cfg.clone()).unwrap();
