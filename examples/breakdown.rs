@@ -2,7 +2,7 @@
 //! simulated GPU lag) and classify every free byte of the large pool that lies in a handle
 //! holding live bytes, by where its free block sits in its run.
 //! `cargo run --release --example breakdown -- TRACE [GPU_LAG] [runs] [live-peak] [growth]
-//! [no-chain-fit] [small=BYTES]` (`small=`: `Config::small_threshold`);
+//! [no-chain-fit] [small=SIZE]` (`small=`: `Config::small_threshold`, e.g. `small=256KiB`);
 //! with `runs`, each large run at the peak too: the VA gap before it and its blocks in order,
 //! `l` live, `p` pending, `f` free, `d` dirty (freed by a stream, not yet fenced), in MiB.
 //! The layout is the one when reserved last reached its peak; with `live-peak`, the one right
@@ -12,7 +12,7 @@
 use stitch_alloc::driver::SimDriver;
 use stitch_alloc::replay::{replay, ReplayOptions};
 use stitch_alloc::trace::{read_path, Event, ReadOptions};
-use stitch_alloc::{Allocator, Config, Pool};
+use stitch_alloc::{parse_size, Allocator, Config, Pool};
 
 fn main() {
     let mut args = std::env::args().skip(1);
@@ -25,7 +25,7 @@ fn main() {
     let m = |x: u64| x as f64 / (1u64 << 20) as f64;
     let mut cfg = Config::default().with_chain_fit(!has("no-chain-fit"));
     if let Some(v) = words.iter().find_map(|w| w.strip_prefix("small=")) {
-        cfg = cfg.with_small_threshold(v.parse().unwrap());
+        cfg = cfg.with_small_threshold(parse_size(v).expect("small=SIZE"));
     }
     // A first pass for the timeline: where live bytes peak, and where reserved grows.
     let stop_after = if has("live-peak") || has("growth") {
