@@ -26,6 +26,17 @@ use std::collections::{BTreeMap, VecDeque};
 /// (a token of keys or values is a few KiB per layer).
 pub(crate) const CHAIN_STEP: u64 = 64 << 10;
 
+/// Whether a request of `requested` bytes may be placed as a chain's next copy: only above
+/// half a granule. Smaller copies share their handles with other blocks whichever way they
+/// are placed, and next fit spreads them over every handle where best fit packs them: with
+/// requests of 256 KiB to 1 MiB in the large pool (`Config::small_threshold` below them), a
+/// loop of 256 interleaved K/V chains held 1.52-1.70 x its peak live by next fit and
+/// 1.10-1.17 by best fit, random mid-sized churn 1.077-1.096 and 1.050-1.064 (design/zoo.md
+/// "Twenty-third session"). Above half a granule nothing changed.
+pub(crate) fn long_enough(requested: u64, granularity: u64) -> bool {
+    requested > granularity / 2
+}
+
 /// Candidates waiting for their smaller neighbour's free; an older one unconfirmed counts
 /// against the pattern.
 pub(crate) const WINDOW: usize = 8;

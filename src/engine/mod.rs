@@ -337,6 +337,7 @@ impl Engine {
     fn chain_request(&mut self, pool: Pool, size: u64) -> bool {
         self.cfg.chain_fit
             && pool == Pool::Large
+            && chains::long_enough(size, self.cfg.granularity)
             && self.region.range.is_none()
             && self.chains.next_copy(size)
     }
