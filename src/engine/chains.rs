@@ -31,7 +31,7 @@ pub(crate) const CHAIN_STEP: u64 = 64 << 10;
 /// are placed, and next fit spreads them over every handle where best fit packs them: with
 /// requests of 256 KiB to 1 MiB in the large pool (`Config::small_threshold` below them), a
 /// loop of 256 interleaved K/V chains held 1.52-1.70 x its peak live by next fit and
-/// 1.10-1.17 by best fit, random mid-sized churn 1.077-1.096 and 1.050-1.064 (design/zoo.md
+/// 1.10-1.17 by best fit, random mid-sized churn 1.070-1.096 and 1.050-1.064 (design/zoo.md
 /// "Twenty-third session"). Above half a granule nothing changed.
 pub(crate) fn long_enough(requested: u64, granularity: u64) -> bool {
     requested > granularity / 2
