@@ -9,10 +9,10 @@
 //! session"): `stitch gen serve` seeds 1-8 at GPU lags 0 / 100 / 1000, 1.05-1.09 ->
 //! 1.034-1.066, with no zoo workload higher.
 //!
-//! A request is taken for a chain's next copy when a live large request is at most
-//! [`CHAIN_STEP`] smaller, and only while such candidates have mostly been confirmed: their
-//! smaller neighbour was freed within the next [`WINDOW`] candidates (the old copy dropped
-//! after the concatenation). Training loops have sizes a little apart too, but those
+//! A request above half a granule ([`long_enough`]) is taken for a chain's next copy when
+//! a live large request is at most [`CHAIN_STEP`] smaller, and only while such candidates
+//! have mostly been confirmed: their smaller neighbour was freed within the next [`WINDOW`]
+//! candidates (the old copy dropped after the concatenation). Training loops have sizes a little apart too, but those
 //! tensors are not freed in that pattern, so they keep the best fit.
 #![forbid(unsafe_code)]
 
