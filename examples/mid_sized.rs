@@ -5,23 +5,32 @@
 //! allocator). design/zoo.md ("Twenty-third session", "Twenty-fourth session") quotes it.
 //!
 //! ```text
-//! cargo run --release --example mid_sized [-- SEEDS THRESHOLDS]   # e.g. 6 256KiB,1MiB
+//! cargo run --release --example mid_sized [-- SEEDS THRESHOLDS [DIR]]   # e.g. 6 256KiB,1MiB
 //! ```
+//!
+//! With `DIR`, each kind's event sequence (seed 1, at the first threshold: the sequence does
+//! not depend on the allocator) is also written there as a text trace, for `stitch replay
+//! --compare` (the models of PyTorch's two allocators) and `scripts/sim-ab.py`.
+use std::collections::HashMap;
 use std::sync::Arc;
 use stitch_alloc::driver::SimDriver;
 use stitch_alloc::trace::gen::Rng;
+use stitch_alloc::trace::{Event, Trace};
 use stitch_alloc::{Allocator, Config, DevicePtr, Stream};
 
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
 const S0: Stream = Stream::sim(0);
 
-/// Peak live (the workload's sum) and peak held (the driver's physical bytes).
+/// Peak live (the workload's sum) and peak held (the driver's physical bytes), and the
+/// events as a trace.
 #[derive(Default)]
 struct Peaks {
     live: u64,
     peak_live: u64,
     peak_held: u64,
+    events: Vec<Event>,
+    ids: HashMap<DevicePtr, u64>,
 }
 
 impl Peaks {
@@ -30,11 +39,20 @@ impl Peaks {
         self.live += size;
         self.peak_live = self.peak_live.max(self.live);
         self.peak_held = self.peak_held.max(d.used_bytes());
+        let id = self.events.len() as u64;
+        self.events.push(Event::Alloc {
+            id,
+            bytes: size,
+            stream: 0,
+        });
+        self.ids.insert(p, id);
         p
     }
     fn free(&mut self, a: &Allocator<Arc<SimDriver>>, p: DevicePtr, size: u64) {
         a.free(p, S0).expect("free");
         self.live -= size;
+        let id = self.ids.remove(&p).expect("a live pointer");
+        self.events.push(Event::Free { id, stream: None });
     }
 }
 
@@ -110,13 +128,14 @@ fn main() {
         .split(',')
         .map(parse_size)
         .collect();
+    let dir = args.get(3);
     type Kind = fn(&Allocator<Arc<SimDriver>>, &SimDriver, u64) -> Peaks;
     let kinds: [(&str, Kind); 3] = [
         ("churn, 10% large", |a, d, s| churn(a, d, s, 0.1)),
         ("churn, mid-sized only", |a, d, s| churn(a, d, s, 0.0)),
         ("K/V chains + transients", kv_chains),
     ];
-    for (name, kind) in kinds {
+    for (k, (name, kind)) in kinds.into_iter().enumerate() {
         for &t in &thresholds {
             let mut ratios = Vec::new();
             for seed in 1..=seeds {
@@ -124,6 +143,17 @@ fn main() {
                 let a = Allocator::new(d.clone(), Config::default().with_small_threshold(t))
                     .expect("allocator");
                 let pk = kind(&a, &d, seed);
+                if let (Some(dir), 1, true) = (dir, seed, t == thresholds[0]) {
+                    let path = format!(
+                        "{dir}/mid-sized-{}.trace.gz",
+                        ["churn-large", "churn", "kv-chains"][k]
+                    );
+                    let trace = Trace {
+                        events: pk.events.clone(),
+                    };
+                    trace.write_path(&path).expect("write the trace");
+                    println!("wrote {path}");
+                }
                 ratios.push(pk.peak_held as f64 / pk.peak_live as f64);
             }
             let (lo, hi) = ratios

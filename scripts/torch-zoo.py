@@ -30,6 +30,11 @@ policy: kinds the zoo lacks, to check that its figures carry over):
 * ``convnext-res``     timm ConvNeXt-T channels-last AMP training, resolution 128-288 per step
 * ``gpt2-accum``       GPT-2 12 x 768 training, 4 micro-batches of varying length per step
 
+and in later sets (``holdout2`` .. ``holdout4``, each written after the policy of its day was
+fixed): ``unet-denoise``, ``static-generate``, ``side-stream``, ``gnn``; ``fsdp``, ``ddp``;
+``serve-gqa`` (the serving loop on a Llama with grouped-query attention, 32 heads over 8 K/V
+heads at hidden 4096).
+
 Output (``--out DIR``): ``zoo.json`` (every run's figures), ``zoo.md`` (the table), and,
 with ``--record``, ``DIR/snapshots/<workload>.pickle.gz`` recorded under PyTorch's default.
 
@@ -73,14 +78,16 @@ CONFIGS = {
 # allocator figures are read by the caller. `rng` is a random.Random seeded per workload.
 
 
-def _llama(torch, layers, hidden, dtype, vocab=32000):
+def _llama(torch, layers, hidden, dtype, vocab=32000, kv_groups=1):
+    """A Llama of random weights; ``kv_groups`` query heads share each key/value head
+    (grouped-query attention, as Llama 3 and Mistral do; 1: one K/V head per head)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     heads = max(1, hidden // 128)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden,
                       intermediate_size=int(hidden * 2.75) // 256 * 256,
                       num_hidden_layers=layers, num_attention_heads=heads,
-                      num_key_value_heads=heads, max_position_embeddings=4096,
+                      num_key_value_heads=max(1, heads // kv_groups), max_position_embeddings=4096,
                       bos_token_id=1, eos_token_id=None, pad_token_id=0)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -349,18 +356,23 @@ def w_moe(torch, rng, quick):
 
 
 def w_serve(torch, rng, quick):
+    model = _llama(torch, 2 if quick else 4, 1536, torch.bfloat16).eval()
+    return _serve_loop(torch, rng, quick, model, 8 if quick else 48, 160)
+
+
+def _serve_loop(torch, rng, quick, model, total, max_new):
+    """Requests of 32-1024 prompt tokens and 8-``max_new`` new tokens, admitted two a step
+    while fewer than 16 run, each decoded a token a step with its own ``DynamicCache``."""
     from transformers import DynamicCache
 
-    model = _llama(torch, 2 if quick else 4, 1536, torch.bfloat16).eval()
     active, done, steps, tokens = [], 0, 0, 0
-    total = 8 if quick else 48
     arrived = 0
     with torch.inference_mode():
         while done < total:
             # Admit up to two new requests per step while fewer than 16 run.
             for _ in range(2):
                 if arrived < total and len(active) < 16:
-                    p, n = rng.randint(32, 1024), rng.randint(8, 24 if quick else 160)
+                    p, n = rng.randint(32, 1024), rng.randint(8, 24 if quick else max_new)
                     ids = torch.randint(3, 32000, (1, p), device="cuda")
                     cache = DynamicCache()
                     out = model(input_ids=ids, past_key_values=cache, use_cache=True)
@@ -714,6 +726,14 @@ def w_ddp(torch, rng, quick):
     return _train_distributed(torch, rng, wrap, 3 if quick else 12)
 
 
+def w_serve_gqa(torch, rng, quick):
+    """The serving loop with grouped-query attention (32 heads sharing 8 K/V heads, as
+    Llama 3 8B does) at hidden 4096 over 4 layers: K/V tensors a quarter of serve's per
+    token of hidden, beside attention that expands them per query group."""
+    model = _llama(torch, 2 if quick else 4, 4096, torch.bfloat16, kv_groups=4).eval()
+    return _serve_loop(torch, rng, quick, model, 8 if quick else 40, 128)
+
+
 WORKLOADS = {
     "llm-train-s": (w_llm_train_s, "training"),
     "llm-train-ckpt": (w_llm_train_ckpt, "training"),
@@ -729,7 +749,7 @@ WORKLOADS = {
 }
 # The zoo: what the policy was measured and tuned on (the default `--workloads`).
 ZOO = list(WORKLOADS)
-# Holdout workloads by set (`--workloads holdout`, `holdout2`, `holdout3`): kinds the zoo
+# Holdout workloads by set (`--workloads holdout`, `holdout2` .. `holdout4`): kinds the zoo
 # does not have, each set written after the policy of its day was fixed.
 HOLDOUTS = {
     "holdout": {
@@ -747,6 +767,10 @@ HOLDOUTS = {
     "holdout3": {
         "fsdp": (w_fsdp, "training"),
         "ddp": (w_ddp, "training"),
+    },
+    # Written in the twenty-fourth session (2026-12-06), after that day's policy was fixed.
+    "holdout4": {
+        "serve-gqa": (w_serve_gqa, "inference"),
     },
 }
 for _set in HOLDOUTS.values():
@@ -1095,8 +1119,8 @@ def speed_interval(ref, runs, resamples=4000):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workloads", default=",".join(ZOO),
-                   help="comma-separated names; `zoo` (the default), `holdout`, `holdout2` and "
-                        "`holdout3` name the four sets")
+                   help="comma-separated names; `zoo` (the default) and `holdout` .. `holdout4` "
+                        "name the five sets")
     p.add_argument("--configs", default="default,expandable,stitch")
     p.add_argument("--out", default="zoo")
     p.add_argument("--record", action="store_true",
