@@ -27,9 +27,15 @@ import sys
 
 
 def replay(stitch, path, lag, flags):
-    """(ratio, modeled driver ms) of one replay."""
-    cmd = [stitch, "replay", path, "--json", "--gpu-lag", str(lag)] + shlex.split(flags)
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    """(ratio, modeled driver ms) of one replay. Leading NAME=VALUE words of `flags` are set
+    in the replay's environment (a throw-away build's experiment switch)."""
+    words = shlex.split(flags)
+    env = dict(os.environ)
+    while words and "=" in words[0] and not words[0].startswith("-"):
+        name, value = words.pop(0).split("=", 1)
+        env[name] = value
+    cmd = [stitch, "replay", path, "--json", "--gpu-lag", str(lag)] + words
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
     d = json.loads(out)
     return d["ratio"], d["modeled_driver_us"] / 1000.0
 
