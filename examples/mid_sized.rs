@@ -8,9 +8,10 @@
 //! cargo run --release --example mid_sized [-- SEEDS THRESHOLDS [DIR]]   # e.g. 6 256KiB,1MiB
 //! ```
 //!
-//! With `DIR`, each kind's event sequence (seed 1, at the first threshold: the sequence does
-//! not depend on the allocator) is also written there as a text trace, for `stitch replay
-//! --compare` (the models of PyTorch's two allocators) and `scripts/sim-ab.py`.
+//! With `DIR`, each kind's event sequence for every seed (at the first threshold: the
+//! sequence does not depend on the allocator) is also written there as a text trace, for
+//! `stitch replay --compare` (the models of PyTorch's two allocators) and
+//! `scripts/sim-ab.py`.
 use std::collections::HashMap;
 use std::sync::Arc;
 use stitch_alloc::driver::SimDriver;
@@ -143,11 +144,9 @@ fn main() {
                 let a = Allocator::new(d.clone(), Config::default().with_small_threshold(t))
                     .expect("allocator");
                 let pk = kind(&a, &d, seed);
-                if let (Some(dir), 1, true) = (dir, seed, t == thresholds[0]) {
-                    let path = format!(
-                        "{dir}/mid-sized-{}.trace.gz",
-                        ["churn-large", "churn", "kv-chains"][k]
-                    );
+                if let (Some(dir), true) = (dir, t == thresholds[0]) {
+                    let kind = ["churn-large", "churn", "kv-chains"][k];
+                    let path = format!("{dir}/mid-sized-{kind}-{seed}.trace.gz");
                     let trace = Trace {
                         events: pk.events.clone(),
                     };
