@@ -728,8 +728,8 @@ def w_ddp(torch, rng, quick):
 
 def w_serve_gqa(torch, rng, quick):
     """The serving loop with grouped-query attention (32 heads sharing 8 K/V heads, as
-    Llama 3 8B does) at hidden 4096 over 4 layers: K/V tensors a quarter of serve's per
-    token of hidden, beside attention that expands them per query group."""
+    Llama 3 8B does) at hidden 4096 over 4 layers: per token, K and V a quarter of the
+    hidden size each (2 KiB in bf16) beside weights of about 2 GB."""
     model = _llama(torch, 2 if quick else 4, 4096, torch.bfloat16, kv_groups=4).eval()
     return _serve_loop(torch, rng, quick, model, 8 if quick else 40, 128)
 
