@@ -367,3 +367,61 @@ fn contiguous_growth_is_the_default_and_no_contiguous_turns_it_off() {
         text(&o.stderr)
     );
 }
+
+/// `stitch replay` on the simulator replays a trace again at a small threshold of 256 KiB
+/// when small pages hold at least a quarter of its excess (and 4 MiB) at the peak, and
+/// quotes that replay only where it holds less: serve-small (1.0643 at the default, 1.0472 at
+/// 256 KiB) gets the line, train-small (1.0357 either way, though its small pages hold 7.9
+/// of 18.1 MiB of excess) does not. The quoted figure is checked against a replay run with the
+/// flag; the line is absent under `--json` and when the threshold was given.
+#[test]
+fn replay_quotes_the_lower_small_threshold_only_where_it_holds_less() {
+    let line = |o: &Output| {
+        text(&o.stdout)
+            .lines()
+            .find(|l| l.starts_with("small pages"))
+            .map(str::to_owned)
+    };
+    let ratio_in = |l: &str| -> f64 {
+        let at = l.find("(ratio ").expect("a ratio") + "(ratio ".len();
+        l[at..at + 6].parse().expect("a ratio of four decimals")
+    };
+    let json_ratio = |f: &str, extra: &[&str]| -> (f64, serde_json::Value) {
+        let mut args = vec!["replay", f, "--json"];
+        args.extend_from_slice(extra);
+        let o = stitch(&args);
+        assert!(o.status.success(), "{}", text(&o.stderr));
+        assert!(line(&o).is_none(), "no line under --json");
+        let v = json_of(&o);
+        (v["ratio"].as_f64().unwrap(), v)
+    };
+
+    let serve = data("serve-small.trace.gz");
+    let serve = serve.to_str().unwrap();
+    let (default, _) = json_ratio(serve, &[]);
+    let (lower, _) = json_ratio(serve, &["--small-threshold", "256KiB"]);
+    assert!(lower < default, "{lower} against {default}");
+    let o = stitch(&["replay", serve]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let l = line(&o).unwrap_or_else(|| panic!("no small-pages line:\n{}", text(&o.stdout)));
+    assert!(l.contains("--small-threshold 256KiB"), "{l}");
+    assert!((ratio_in(&l) - lower).abs() < 5e-5, "{l} against {lower}");
+    let o = stitch(&["replay", serve, "--small-threshold", "1MiB"]);
+    assert!(line(&o).is_none(), "the threshold was given");
+
+    let train = data("train-small.trace");
+    let train = train.to_str().unwrap();
+    let (default, v) = json_ratio(train, &[]);
+    let small = v["peak_detail"]["small_stranded_bytes"].as_u64().unwrap();
+    let excess =
+        v["peak_reserved_bytes"].as_u64().unwrap() - v["peak_live_bytes"].as_u64().unwrap();
+    assert!(
+        small >= 4 << 20 && 4 * small >= excess,
+        "the check runs on this trace: {small} of {excess}"
+    );
+    let (lower, _) = json_ratio(train, &["--small-threshold", "256KiB"]);
+    assert!(lower >= default, "{lower} against {default}");
+    let o = stitch(&["replay", train]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert!(line(&o).is_none(), "{}", text(&o.stdout));
+}
