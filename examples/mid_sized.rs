@@ -131,12 +131,17 @@ fn main() {
         .collect();
     let dir = args.get(3);
     type Kind = fn(&Allocator<Arc<SimDriver>>, &SimDriver, u64) -> Peaks;
-    let kinds: [(&str, Kind); 3] = [
-        ("churn, 10% large", |a, d, s| churn(a, d, s, 0.1)),
-        ("churn, mid-sized only", |a, d, s| churn(a, d, s, 0.0)),
-        ("K/V chains + transients", kv_chains),
+    // (what it is, its traces' file name, the workload)
+    let kinds: [(&str, &str, Kind); 3] = [
+        ("churn, 10% large", "churn-large", |a, d, s| {
+            churn(a, d, s, 0.1)
+        }),
+        ("churn, mid-sized only", "churn", |a, d, s| {
+            churn(a, d, s, 0.0)
+        }),
+        ("K/V chains + transients", "kv-chains", kv_chains),
     ];
-    for (k, (name, kind)) in kinds.into_iter().enumerate() {
+    for (name, file, kind) in kinds {
         for &t in &thresholds {
             let mut ratios = Vec::new();
             for seed in 1..=seeds {
@@ -145,8 +150,7 @@ fn main() {
                     .expect("allocator");
                 let pk = kind(&a, &d, seed);
                 if let (Some(dir), true) = (dir, t == thresholds[0]) {
-                    let kind = ["churn-large", "churn", "kv-chains"][k];
-                    let path = format!("{dir}/mid-sized-{kind}-{seed}.trace.gz");
+                    let path = format!("{dir}/mid-sized-{file}-{seed}.trace.gz");
                     let trace = Trace {
                         events: pk.events.clone(),
                     };

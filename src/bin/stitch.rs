@@ -850,7 +850,7 @@ fn cmd_replay(a: &ReplayArgs) -> Result<ExitCode, String> {
     let mid_sized = if a.json {
         None
     } else {
-        mid_sized_check(a, cost, &b, &t, &r)?
+        mid_sized_check(a, cost, &b, &t, &r, &opts)?
     };
     r.stitching = Some(b.stitching);
     if let Some(torch) = loaded.pytorch {
@@ -939,6 +939,7 @@ fn mid_sized_check(
     b: &Built,
     t: &Trace,
     r: &ReplayReport,
+    opts: &ReplayOptions,
 ) -> Result<Option<(u64, ReplayReport)>, String> {
     let small = r.peak_detail.as_ref().map_or(0, |d| d.small_stranded_bytes);
     let excess = r.peak_reserved_bytes.saturating_sub(r.peak_live_bytes);
@@ -953,11 +954,14 @@ fn mid_sized_check(
     let mut args = a.alloc.clone();
     args.small_threshold = Some(MID_SIZED_THRESHOLD);
     let b2 = build_with(&args, cost)?;
+    // The first replay's options on the new allocator; only its peak and ratio are read, so
+    // no timeline and no stranded-bytes walk.
     let opts = ReplayOptions {
         meter: Some(b2.meter.clone()),
         streams: stream_map(&b2, t)?,
-        gpu_lag: a.gpu_lag,
-        ..Default::default()
+        timeline: false,
+        skip_stranded: true,
+        ..opts.clone()
     };
     let other = replay(t, &b2.alloc, &opts);
     b2.alloc.shutdown();
