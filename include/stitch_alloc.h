@@ -33,7 +33,7 @@
  *   capacity_bytes:N            limit each device to N bytes (host/sim: the device's size;
  *                               default 16 GiB host, 139.8 GiB sim). Excludes
  *                               capacity_fraction.
- *   small_threshold:N           requests up to N bytes share small pages (default 1MiB)
+ *   small_threshold:N           requests up to N bytes share small pages (default 256KiB)
  *   small_page:N                size of one small page (default: the granularity)
  *   min_handle:N, max_handle:N  smallest / largest physical handle (default: the
  *                               granularity, 2MiB on CUDA / 20MiB)

@@ -10,6 +10,7 @@ both sides and their modeled driver time.
     cargo build --release --features cli
     scripts/sim-ab.py --b="--no-chain-fit"
     scripts/sim-ab.py --a="" --b="--handle-divisor 32" --set hold=/tmp/hold/snapshots --lags 0,100
+    scripts/sim-ab.py --stitch-a /tmp/main-stitch --b=""     # main's build against this one
 
 The simulator shortlists; torch decides (design/zoo.md, "Which simulated lag predicts
 torch" and "Twenty-second session": a lever 0.002-0.003 lower here came out higher through
@@ -43,11 +44,14 @@ def replay(stitch, path, lag, flags):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--a", default="", help="flags of side A (default: none, the defaults)")
-    p.add_argument("--b", required=True, help="flags of side B, given as --b='--no-chain-fit' (with '=')")
+    p.add_argument("--b", default="", help="flags of side B, given as --b='--no-chain-fit' (with '=')")
     p.add_argument("--set", action="append", default=[], metavar="NAME=DIR",
                    help="another set of snapshots (*.pickle.gz, *.trace.gz) to replay")
     p.add_argument("--lags", default="0,100,1000")
     p.add_argument("--stitch", default="target/release/stitch")
+    p.add_argument("--stitch-a", default=None,
+                   help="another build's stitch binary for side A (default: --stitch), to compare "
+                        "two builds, e.g. main's against a branch's")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
     p.add_argument("--min-change", type=float, default=0.0005,
                    help="list a trace when its ratio moved by more than this")
@@ -69,11 +73,13 @@ def main():
     lags = [int(x) for x in args.lags.split(",")]
     jobs = [(s, f, lag, side) for s, f in traces for lag in lags for side in "ab"]
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        futs = {j: pool.submit(replay, args.stitch, j[1], j[2], args.a if j[3] == "a" else args.b)
+        futs = {j: pool.submit(replay, (args.stitch_a or args.stitch) if j[3] == "a" else args.stitch,
+                               j[1], j[2], args.a if j[3] == "a" else args.b)
                 for j in jobs}
         res = {j: f.result() for j, f in futs.items()}
 
-    print(f"A: {args.a or '(defaults)'}\nB: {args.b}\n")
+    print(f"A: {args.stitch_a or args.stitch} {args.a or '(defaults)'}\n"
+          f"B: {args.stitch} {args.b or '(defaults)'}\n")
     for s, f in traces:
         for lag in lags:
             (ra, _), (rb, _) = res[(s, f, lag, "a")], res[(s, f, lag, "b")]

@@ -69,8 +69,9 @@ pub struct Config {
     /// Physical memory limit (default: the whole device; a fraction is capped at the memory
     /// free when the allocator starts).
     pub capacity: Capacity,
-    /// Requests up to this many bytes are packed into small pages (default 1 MiB); at most
-    /// half a small page.
+    /// Requests up to this many bytes are packed into small pages (default 256 KiB: larger
+    /// ones pack better side by side in the large pool, since a small page is a run of its
+    /// own; design/zoo.md "Twenty-fifth session"); at most half a small page.
     #[serde(deserialize_with = "de_size")]
     pub small_threshold: u64,
     /// Size of one small page, a multiple of the granularity (`None`: the granularity).
@@ -196,7 +197,7 @@ impl Default for Config {
     fn default() -> Self {
         Config {
             capacity: Capacity::Fraction(1.0),
-            small_threshold: 1 << 20,
+            small_threshold: 256 << 10,
             small_page: None,
             medium_threshold: None,
             medium_page: 64 << 20,
@@ -989,7 +990,11 @@ mod tests {
             .with_handle_sizes(0, 8 * MIB)
             .resolve(G, DEV)
             .unwrap();
-        assert_eq!((r.medium_threshold, r.medium_page), (MIB, G));
+        assert_eq!(
+            (r.medium_threshold, r.medium_page),
+            (r.small_threshold, G),
+            "a threshold of 0 is the small threshold: no medium pool"
+        );
         let mut c = Config {
             medium_page: u64::MAX,
             ..Config::default()

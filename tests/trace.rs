@@ -1266,10 +1266,10 @@ fn replay_names_the_slowest_allocations_and_their_calls() {
 }
 
 /// `stitch replay --small-threshold`: a hundred live 600 KiB tensors. Under the default
-/// threshold (1 MiB) they are small-pool requests, three to a 2 MiB page (3 x 600 KiB fits,
-/// 4 does not): 34 pages, 68 MiB. Under 256 KiB they are large-pool requests placed back to
-/// back: 58.6 MiB live in 30 granules, 60 MiB. A threshold the configuration refuses is a
-/// clear error, not a replay.
+/// threshold (256 KiB) they are large-pool requests placed back to back: 58.6 MiB live in 30
+/// granules, 60 MiB. Under 1 MiB they are small-pool requests, three to a 2 MiB page (3 x 600
+/// KiB fits, 4 does not): 34 pages, 68 MiB. A threshold the configuration refuses is a clear
+/// error, not a replay.
 #[test]
 fn cli_small_threshold_moves_requests_between_the_pools() {
     let f = tmp("six-hundred-kib.trace");
@@ -1281,8 +1281,8 @@ fn cli_small_threshold_moves_requests_between_the_pools() {
         args.extend_from_slice(extra);
         json(&args)["peak_reserved_bytes"].as_u64().unwrap()
     };
-    assert_eq!(reserved(&[]), 68 << 20);
-    assert_eq!(reserved(&["--small-threshold", "256KiB"]), 60 << 20);
+    assert_eq!(reserved(&[]), 60 << 20);
+    assert_eq!(reserved(&["--small-threshold", "1MiB"]), 68 << 20);
     let o = stitch(&["replay", f, "--small-threshold", "100GiB"]);
     assert!(!o.status.success());
     let err = String::from_utf8_lossy(&o.stderr);

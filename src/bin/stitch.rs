@@ -847,11 +847,6 @@ fn cmd_replay(a: &ReplayArgs) -> Result<ExitCode, String> {
         ..Default::default()
     };
     let mut r = replay(&t, &b.alloc, &opts);
-    let mid_sized = if a.json {
-        None
-    } else {
-        mid_sized_check(a, cost, &b, &t, &r, &opts)?
-    };
     r.stitching = Some(b.stitching);
     if let Some(torch) = loaded.pytorch {
         r.set_pytorch_reserved(torch.peak_bytes);
@@ -900,15 +895,6 @@ fn cmd_replay(a: &ReplayArgs) -> Result<ExitCode, String> {
         out!("{v}");
     } else {
         print_report(&a.trace.file.display().to_string(), &t, &b, &r);
-        if let Some((small, other)) = &mid_sized {
-            out!(
-                "small pages      {} free in small pages when reserved peaked; --small-threshold {}KiB holds {} (ratio {:.4}) on this trace: tensors above that size then pack into large handles (design/zoo.md, \"Twenty-fourth session\")",
-                gib(*small),
-                MID_SIZED_THRESHOLD >> 10,
-                gib(other.peak_reserved_bytes),
-                other.ratio
-            );
-        }
         if let Some(p) = &a.plot {
             out!("plot             {}", p.display());
         }
@@ -920,54 +906,6 @@ fn cmd_replay(a: &ReplayArgs) -> Result<ExitCode, String> {
         r.failed_allocs,
         r.first_error.as_deref(),
         a.trace.allow_failures,
-    )
-}
-
-/// The small threshold `stitch replay` tries when small pages hold much of a trace's excess.
-const MID_SIZED_THRESHOLD: u64 = 256 << 10;
-
-/// When a simulated replay at the default small threshold leaves free space in small pages of
-/// at least a quarter of its excess over peak live (and 4 MiB) when reserved peaked, replay
-/// the trace again with [`MID_SIZED_THRESHOLD`]: the small pool's free space at the peak, and
-/// that replay's report if it holds less. Small pages are runs of their own, so tensors of a
-/// quarter of a page to a page pack worse there than in the large pool (design/zoo.md,
-/// "Twenty-fourth session"); on other traces the lower threshold holds more, so it is only
-/// reported where it helps.
-fn mid_sized_check(
-    a: &ReplayArgs,
-    cost: CostModel,
-    b: &Built,
-    t: &Trace,
-    r: &ReplayReport,
-    opts: &ReplayOptions,
-) -> Result<Option<(u64, ReplayReport)>, String> {
-    let small = r.peak_detail.as_ref().map_or(0, |d| d.small_stranded_bytes);
-    let excess = r.peak_reserved_bytes.saturating_sub(r.peak_live_bytes);
-    if b.alloc.driver().name() != "sim"
-        || a.alloc.small_threshold.is_some()
-        || r.failed_allocs > 0
-        || small < 4 << 20
-        || small.saturating_mul(4) < excess
-    {
-        return Ok(None);
-    }
-    let mut args = a.alloc.clone();
-    args.small_threshold = Some(MID_SIZED_THRESHOLD);
-    let b2 = build_with(&args, cost)?;
-    // The first replay's options on the new allocator; only its peak and ratio are read, so
-    // no timeline and no stranded-bytes walk.
-    let opts = ReplayOptions {
-        meter: Some(b2.meter.clone()),
-        streams: stream_map(&b2, t)?,
-        timeline: false,
-        skip_stranded: true,
-        ..opts.clone()
-    };
-    let other = replay(t, &b2.alloc, &opts);
-    b2.alloc.shutdown();
-    Ok(
-        (other.failed_allocs == 0 && other.peak_reserved_bytes < r.peak_reserved_bytes)
-            .then_some((small, other)),
     )
 }
 

@@ -293,7 +293,10 @@ impl Engine {
         stream: Stream,
         rounds: u32,
     ) -> Result<Step> {
-        let (rsize, pool) = self.admit(size)?;
+        let (rsize, mut pool) = self.admit(size)?;
+        if self.region.range.is_some() && pool == Pool::Large && self.region_small(size) {
+            pool = Pool::Small;
+        }
         let own = if self.fences.has_streams() {
             self.fences.owner_index(stream)
         } else {
@@ -337,7 +340,6 @@ impl Engine {
     fn chain_request(&mut self, pool: Pool, size: u64) -> bool {
         self.cfg.chain_fit
             && pool == Pool::Large
-            && chains::long_enough(size, self.cfg.granularity)
             && self.region.range.is_none()
             && self.chains.next_copy(size)
     }
@@ -371,15 +373,16 @@ impl Engine {
         } else {
             placement::contiguous_offset(&self.arena, handles, self.cfg.granularity, i, rsize)
         };
-        if self.arena.blocks[i as usize].pool == Pool::Large {
-            self.chains.add(requested);
-        }
+        let large = self.arena.blocks[i as usize].pool == Pool::Large;
         let addr = self.arena.take(i, rsize, requested, stream, |a, size| {
             if !place {
                 return aligned;
             }
             placement::best_offset(a, size, rsize, handles.spans_from(a, a + size))
         });
+        if large {
+            self.chains.add(requested, addr);
+        }
         let s = &mut self.stats;
         s.requested.add(requested);
         s.requested_lifetime_peak = s.requested_lifetime_peak.max(s.requested.current);
@@ -606,7 +609,7 @@ impl Engine {
     fn forget_live(&mut self, ptr: u64, i: u32, requested: u64, size: u64) {
         self.arena.live.remove(&ptr);
         if self.arena.blocks[i as usize].pool == Pool::Large {
-            self.chains.remove(requested);
+            self.chains.remove(requested, ptr);
         }
         self.fences.extra_streams.remove(&i);
         let s = &mut self.stats;

@@ -14,6 +14,9 @@
 //!   the rest;
 //! * the region's own free handles are never moved, released or turned into pages.
 //!
+//! * a request of at most [`SMALL_IN_REGION`] (and half a small page) goes to small pages,
+//!   as under PyTorch's 1 MiB small threshold, unless it may be a growing chain's next copy.
+//!
 //! The region behaves like an expandable segment that free memory drains into, and an
 //! expandable segment settles on a fixed-shape loop. It grows only within [`GROWTH`] above
 //! the peak of live bytes: a plan for a large request that does not extend the region, or
@@ -41,6 +44,15 @@ pub(crate) const GROWTH: f64 = 0.02;
 /// stitches. Measured: without it bert-encode enters and leaves at every block of one shape
 /// (modeled driver time 152 -> 248 ms at lag 1000); with 2 or 4 it is unchanged.
 pub(crate) const BACKOFF: u64 = 2;
+
+/// While the region is on, large requests up to this size go to small pages
+/// ([`Engine::region_small`]). The small threshold (256 KiB by default) puts them in the large
+/// pool, where a fixed-shape loop's mid-sized tensors are placed in the region and fragment it:
+/// the batch-2 loop then left the region at every step's 93.75 MiB gradient (reserved past
+/// [`GROWTH`]) and stitched to the end of its trace at GPU lag 0; in small pages, where a loop's
+/// repeated sizes reuse their slots, it settles at lags 0, 100 and 1000 as under a 1 MiB
+/// threshold (design/zoo.md, "Twenty-fifth session").
+pub(crate) const SMALL_IN_REGION: u64 = 1 << 20;
 
 /// The region's state (see the module docs).
 #[derive(Debug, Default)]
@@ -82,6 +94,15 @@ impl LoopRegion {
 }
 
 impl Engine {
+    /// Whether a large request of `size` bytes goes to small pages while the region is on: at
+    /// most [`SMALL_IN_REGION`] and half a small page, and not a growing chain's possible
+    /// next copy (a live large request at most `chains::CHAIN_STEP` smaller). A chain's copies
+    /// never repeat a size, so small pages, where a block cannot span two pages, would strand
+    /// them: a loop of 256 K/V chains beside transients went from 1.15 to 1.45 x peak live.
+    pub(super) fn region_small(&self, size: u64) -> bool {
+        size <= SMALL_IN_REGION.min(self.cfg.small_page / 2) && !self.chains.has_below(size)
+    }
+
     /// The smallest free large-pool block inside the loop region that fits `rsize`, clean
     /// or `own`'s: the best fit overall when it lies there (the usual case once the loop
     /// has settled), else a search of the free blocks.
