@@ -11,70 +11,14 @@ fn main() {
     let mut args = std::env::args().skip(1);
     let dir = args.next().expect("DIR");
     let seeds: u64 = args.next().map_or(3, |s| s.parse().expect("SEEDS"));
-    let base = ServeParams::default();
-    // (name, what it is, parameters): K and V are `hidden * 2` bytes per token.
+    // (name, what it is, the generator's parameters): K and V are `hidden * 2` bytes a token.
+    #[rustfmt::skip]
     let kinds = [
-        (
-            "zoo",
-            "the zoo's serve: 4 x 1536, prompts 32-1024",
-            base.clone(),
-        ),
-        (
-            "long",
-            "8 x 2048, prompts 256-4096: caches of 1-16 MiB",
-            ServeParams {
-                layers: 8,
-                hidden: 2048,
-                intermediate: 5632,
-                requests: 32,
-                max_active: 8,
-                prompt_tokens: (256, 4096),
-                gen_tokens: (16, 128),
-                ..base.clone()
-            },
-        ),
-        (
-            "short",
-            "16 x 1024, prompts 16-256: caches of 32 KiB-1 MiB",
-            ServeParams {
-                layers: 16,
-                hidden: 1024,
-                intermediate: 2816,
-                requests: 64,
-                max_active: 16,
-                prompt_tokens: (16, 256),
-                gen_tokens: (16, 256),
-                ..base.clone()
-            },
-        ),
-        (
-            "wide",
-            "4 x 2048, 32 at once, prompts 64-512",
-            ServeParams {
-                hidden: 2048,
-                intermediate: 5632,
-                requests: 96,
-                max_active: 32,
-                admit_per_step: 4,
-                prompt_tokens: (64, 512),
-                gen_tokens: (16, 96),
-                ..base.clone()
-            },
-        ),
-        (
-            "small",
-            "12 x 768, prompts 32-512",
-            ServeParams {
-                layers: 12,
-                hidden: 768,
-                intermediate: 3072,
-                requests: 48,
-                max_active: 16,
-                prompt_tokens: (32, 512),
-                gen_tokens: (32, 128),
-                ..base
-            },
-        ),
+        ("zoo", "the zoo's serve: 4 x 1536, prompts 32-1024", shape(4, 1536, 4096, (48, 16, 2), (32, 1024), (8, 160))),
+        ("long", "8 x 2048, prompts 256-4096: caches of 1-16 MiB", shape(8, 2048, 5632, (32, 8, 2), (256, 4096), (16, 128))),
+        ("short", "16 x 1024, prompts 16-256: caches of 32 KiB-1 MiB", shape(16, 1024, 2816, (64, 16, 2), (16, 256), (16, 256))),
+        ("wide", "4 x 2048, 32 at once, prompts 64-512", shape(4, 2048, 5632, (96, 32, 4), (64, 512), (16, 96))),
+        ("small", "12 x 768, prompts 32-512", shape(12, 768, 3072, (48, 16, 2), (32, 512), (32, 128))),
     ];
     for (name, what, p) in kinds {
         for seed in 1..=seeds {
@@ -83,5 +27,28 @@ fn main() {
             t.write_path(&path).expect("write the trace");
             println!("{path}: {what}, {} events", t.events.len());
         }
+    }
+}
+
+/// A model of `layers` x `hidden` (MLP `intermediate` wide) serving `(requests, at most at
+/// once, admitted per step)` with prompts and generations of the given token ranges.
+fn shape(
+    layers: u64,
+    hidden: u64,
+    intermediate: u64,
+    (requests, max_active, admit_per_step): (u64, u64, u64),
+    prompt_tokens: (u64, u64),
+    gen_tokens: (u64, u64),
+) -> ServeParams {
+    ServeParams {
+        layers,
+        hidden,
+        intermediate,
+        requests,
+        max_active,
+        admit_per_step,
+        prompt_tokens,
+        gen_tokens,
+        ..ServeParams::default()
     }
 }
