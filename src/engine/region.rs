@@ -12,8 +12,7 @@
 //! * a large request that fits none extends the region's end by the part missing, with whole
 //!   free handles from outside the region first (moved or re-created) and new memory only for
 //!   the rest;
-//! * the region's own free handles are never moved, released or turned into pages.
-//!
+//! * the region's own free handles are never moved, released or turned into pages;
 //! * a request of at most [`SMALL_IN_REGION`] (and half a small page) goes to small pages,
 //!   as under PyTorch's 1 MiB small threshold, unless it may be a growing chain's next copy.
 //!
