@@ -753,9 +753,9 @@ fn growing_chains_beside_transients_keep_the_best_fit() {
     // size, every tensor between 64 KiB and about 1.3 MiB: with a 256 KiB small threshold,
     // requests of the large pool below half a granule. Placed as chains (next fit, copies
     // and transients alike) they spread over every handle: 1.52-1.70 x peak live; by best fit
-    // 1.10-1.17. The transients, freed before any smaller neighbour, hold chain fit's score
-    // near one half, below its bar (engine/chains.rs). Held is the driver's count of physical
-    // bytes, live the test's own sum.
+    // 1.10-1.17. The transients, freed before any smaller neighbour, keep chain fit's score
+    // below its bar (engine/chains.rs). Held is the driver's count of physical bytes, live the
+    // test's own sum.
     let d = Arc::new(SimDriver::with_capacity(8 * GIB));
     let a = Allocator::new(d.clone(), Config::default().with_small_threshold(256 << 10)).unwrap();
     let mut rng = Rng::new(1);
