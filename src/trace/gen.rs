@@ -759,7 +759,7 @@ pub struct ServeParams {
 impl Default for ServeParams {
     /// The zoo's `serve` workload (scripts/torch-zoo.py: 4 layers of 1536, 48 requests, 16
     /// at once, prompts of 32-1024 tokens, 8-160 new tokens): K and V tensors of 3 KiB per
-    /// token, so that they cross the 1 MiB small threshold as they grow.
+    /// token, so that they cross the small threshold (256 KiB) and half a granule as they grow.
     fn default() -> Self {
         ServeParams {
             layers: 4,
