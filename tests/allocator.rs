@@ -848,8 +848,8 @@ fn a_serving_loop_of_mid_sized_kv_copies_packs_in_the_large_pool() {
     // Under a 1 MiB small threshold the copies below it sit in small pages, each a run of its
     // own, and the loop holds 1.30 x its peak live; under the default 256 KiB they pack side by
     // side in the large pool (1.10), placed as chains though below half a granule (best fit
-    // alone: 1.06; design/zoo.md, "Twenty-fifth session", on serving loops where chain fit
-    // holds less).
+    // alone holds 1.06 here, one kind where chain fit holds more; design/zoo.md,
+    // "Twenty-fifth session").
     let (default, fits) = kv_serving_loop(Config::default());
     assert!(default < 1.15, "held {default:.4} x peak live");
     assert!(fits > 10_000, "{fits} chain fits");

@@ -107,12 +107,7 @@ impl Chains {
     /// some live large allocation is at most [`CHAIN_STEP`] smaller (then it is recorded as
     /// a candidate) and the candidates before it were mostly confirmed.
     pub(crate) fn next_copy(&mut self, requested: u64) -> bool {
-        let below = self
-            .live
-            .range(requested.saturating_sub(CHAIN_STEP)..requested)
-            .next()
-            .is_some();
-        if !below {
+        if !self.has_below(requested) {
             return false;
         }
         if self.pending.len() == WINDOW {
