@@ -93,8 +93,9 @@ impl LoopRegion {
 }
 
 impl Engine {
-    /// Whether a large request of `size` bytes goes to small pages while the region is on: at
-    /// most [`SMALL_IN_REGION`] and half a small page, and not a growing chain's possible
+    /// Whether a large request of `size` bytes goes to small pages while the region is on (and,
+    /// outside it, may take room small pages already hold: `Engine::mid_sized_in_small_page`):
+    /// at most [`SMALL_IN_REGION`] and half a small page, and not a growing chain's possible
     /// next copy (a live large request at most `chains::CHAIN_STEP` smaller). A chain's copies
     /// never repeat a size, so small pages, where a block cannot span two pages, would strand
     /// them: a loop of 256 K/V chains beside transients went from 1.15 to 1.45 x peak live.
