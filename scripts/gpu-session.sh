@@ -121,7 +121,7 @@ ab)
     # torch decides: design/zoo.md): AB_A and AB_B are STITCH_ALLOC_CONF strings, run
     # alternately AB_REPEAT times each over the zoo (AB_WORKLOADS, default all), then the
     # median per workload and the geometric mean of each side. About 140 s per side and
-    # repeat at --jobs 4 (memory figures only: driver times need --jobs 1).
+    # repeat at --jobs 4 (AB_JOBS; memory figures only: driver times need --jobs 1).
     a_conf=${AB_A:-backend:cuda,log:error}
     b_conf=${AB_B:?AB_B: the STITCH_ALLOC_CONF to compare, e.g. backend:cuda,log:error,small_threshold:256KiB}
     for r in $(seq 1 "${AB_REPEAT:-1}"); do
@@ -130,7 +130,7 @@ ab)
             [ "$side" = b ] && conf=$b_conf
             STITCH_ALLOC_LIB=$(pwd)/.gpu/libstitch_alloc.so PYTHONUNBUFFERED=1 \
                 timeout "${AB_TIMEOUT:-280}" python3 scripts/torch-zoo.py --out "$out/ab-$side-$r" \
-                --configs stitch --jobs 4 --stitch-conf "$conf" \
+                --configs stitch --jobs "${AB_JOBS:-4}" --stitch-conf "$conf" \
                 ${AB_WORKLOADS:+--workloads "$AB_WORKLOADS"} 2>&1 | grep -E "ratio=|Error" | sed "s/^/$side$r /"
         done
     done

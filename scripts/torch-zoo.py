@@ -36,7 +36,10 @@ fixed): ``unet-denoise``, ``static-generate``, ``side-stream``, ``gnn``; ``fsdp`
 heads at hidden 4096).
 
 Output (``--out DIR``): ``zoo.json`` (every run's figures), ``zoo.md`` (the table), and,
-with ``--record``, ``DIR/snapshots/<workload>.pickle.gz`` recorded under PyTorch's default.
+with ``--record``, ``DIR/snapshots/<workload>.pickle.gz`` recorded under PyTorch's default,
+and with ``--record-stitch``, ``DIR/snapshots/<workload>.stitch.pickle.gz`` recorded under
+stitch-alloc (its own allocation sequence, for where the simulator and torch disagree: the
+sequence torch makes under stitch-alloc can differ from the default's).
 
     python3 scripts/torch-zoo.py --out zoo --record          # everything
     python3 scripts/torch-zoo.py --workloads moe,serve --configs default,stitch --quick
@@ -832,7 +835,7 @@ def child(a):
         res["stitch_conf"] = a.stitch_conf
     import torch
 
-    recording = a.record and a.child == "default"
+    recording = (a.record and a.child == "default") or (a.record_stitch and c["stitch"])
     if recording:
         torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
                                                  max_entries=20_000_000)
@@ -856,7 +859,8 @@ def child(a):
         snap = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
         os.makedirs(os.path.join(a.out, "snapshots"), exist_ok=True)
-        path = os.path.join(a.out, "snapshots", f"{a.workload}.pickle.gz")
+        suffix = ".stitch" if c["stitch"] else ""
+        path = os.path.join(a.out, "snapshots", f"{a.workload}{suffix}.pickle.gz")
         with gzip.open(path, "wb") as f:
             pickle.dump(snap, f)
         res["snapshot"] = {"path": os.path.relpath(path, a.out),
@@ -892,6 +896,7 @@ def run_one(a, workload, config):
     cmd = [sys.executable, os.path.abspath(__file__), "--child", config, "--workload", workload,
            "--result", result, "--seed", str(a.seed), "--out", a.out,
            "--stitch-conf", a.stitch_conf] + (["--record"] if a.record else []) \
+        + (["--record-stitch"] if a.record_stitch else []) \
         + (["--quick"] if a.quick else []) + (["--lib", a.lib] if a.lib else []) \
         + (["--fixed-shapes"] if a.fixed_shapes else [])
     t0 = time.perf_counter()
@@ -1125,6 +1130,9 @@ def main(argv=None):
     p.add_argument("--out", default="zoo")
     p.add_argument("--record", action="store_true",
                    help="record PyTorch default's allocation history as a snapshot per workload")
+    p.add_argument("--record-stitch", action="store_true",
+                   help="record stitch-alloc's allocation history too "
+                        "(snapshots/<workload>.stitch.pickle.gz)")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
     p.add_argument("--fixed-shapes", action="store_true",
                    help="the same shapes every step (for throughput; memory figures then "
