@@ -345,9 +345,10 @@ impl Engine {
     /// ([`Engine::region_small`]: at most 1 MiB and half a small page, no growing chain's next
     /// copy), outside the loop region, and never by growing the small pool. Measured
     /// (design/zoo.md, "Twenty-sixth session"): bert-encode 1.0208 -> 1.0145 at lag 0, a 1 MiB
-    /// tensor no longer alone in a run of two free handles; the zoo, the serve traces and the
-    /// shipped traces level or lower at every lag; sending such requests to small pages when
-    /// that grows them took back what 256 KiB gained on mid-sized churn.
+    /// tensor no longer alone in a run of two free handles; the zoo and the shipped traces
+    /// level or lower at every lag, serving loops within 0.003 either way; sending such
+    /// requests to small pages when that grows them took back what 256 KiB gained on
+    /// mid-sized churn.
     fn mid_sized_in_small_page(
         &self,
         pool: Pool,
