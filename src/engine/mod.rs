@@ -315,20 +315,23 @@ impl Engine {
                 return Ok(Step::Done(p));
             }
         }
-        let mut found = match self.region.range {
+        let found = match self.region.range {
             Some(_) if pool == Pool::Large => self.find_in_region(rsize, own),
             _ => self.arena.find(rsize, pool, own),
         };
-        if let Some(j) = found.and_then(|i| self.mid_sized_in_small_page(pool, size, rsize, i, own))
-        {
-            pool = Pool::Small;
-            found = Some(j);
-        }
         if let Some(i) = found {
-            // A large request would pin a free block four or more times its size: create a
-            // fitting one instead while within the growth budget.
+            // A large request would pin a free block four or more times its size: take room a
+            // small page already holds if it may, else create a fitting block while within
+            // the growth budget.
             let overfit =
                 pool == Pool::Large && self.arena.blocks[i as usize].size / OVERFIT >= rsize;
+            if let Some(j) = overfit
+                .then(|| self.mid_sized_in_small_page(size, rsize, own))
+                .flatten()
+            {
+                self.stats.fast_allocs += 1;
+                return Ok(Step::Done(self.take(j, rsize, size, stream)));
+            }
             if !overfit || self.region.range.is_some() || !self.overfit_may_create(size) {
                 self.stats.fast_allocs += 1;
                 return Ok(Step::Done(self.take(i, rsize, size, stream)));
@@ -339,29 +342,19 @@ impl Engine {
     }
 
     /// A free small-page block for a mid-sized large request whose best fit in the large pool
-    /// (block `found`) is four or more times its size ([`OVERFIT`]): room that small pages
+    /// is four or more times its size ([`OVERFIT`], the caller's test): room that small pages
     /// already hold, where the request strands nothing new, instead of a piece of a free run
     /// that would pin its handles. Only for requests that may use small pages
     /// ([`Engine::region_small`]: at most 1 MiB and half a small page, no growing chain's next
     /// copy), outside the loop region, and never by growing the small pool. Measured
     /// (design/zoo.md, "Twenty-sixth session"): bert-encode 1.0208 -> 1.0145 at lag 0, a 1 MiB
-    /// tensor no longer alone in a run of two free handles; the zoo and the shipped traces
-    /// level or lower at every lag, serving loops within 0.003 either way; sending such
+    /// tensor no longer alone in a run of two free handles; the zoo's geometric mean lower at
+    /// every lag (llm-train-l, lora and resnet50-amp 0.001-0.002 higher at lag 0 only), the
+    /// shipped traces level or lower, serving loops within 0.003 either way; sending such
     /// requests to small pages when that grows them took back what 256 KiB gained on
     /// mid-sized churn.
-    fn mid_sized_in_small_page(
-        &self,
-        pool: Pool,
-        size: u64,
-        rsize: u64,
-        found: u32,
-        own: Option<OwnerId>,
-    ) -> Option<u32> {
-        if pool != Pool::Large
-            || self.region.range.is_some()
-            || self.arena.blocks[found as usize].size / OVERFIT < rsize
-            || !self.region_small(size)
-        {
+    fn mid_sized_in_small_page(&self, size: u64, rsize: u64, own: Option<OwnerId>) -> Option<u32> {
+        if self.region.range.is_some() || !self.region_small(size) {
             return None;
         }
         self.arena.find(rsize, Pool::Small, own)
