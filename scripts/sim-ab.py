@@ -14,7 +14,8 @@ both sides and their modeled driver time.
 
 The simulator shortlists; torch decides (design/zoo.md, "Which simulated lag predicts
 torch" and "Twenty-second session": a lever 0.002-0.003 lower here came out higher through
-torch). Lag 100 predicted torch best on the zoo, lag 0 next.
+torch). Lags 3-30 predict torch best (design/zoo.md, "Twenty-seventh session"); lag 1000 is
+the issue's target lag.
 """
 import argparse
 import concurrent.futures
@@ -47,7 +48,7 @@ def main():
     p.add_argument("--b", default="", help="flags of side B, given as --b='--no-chain-fit' (with '=')")
     p.add_argument("--set", action="append", default=[], metavar="NAME=DIR",
                    help="another set of snapshots (*.pickle.gz, *.trace.gz) to replay")
-    p.add_argument("--lags", default="0,100,1000")
+    p.add_argument("--lags", default="3,10,30,1000")
     p.add_argument("--stitch", default="target/release/stitch")
     p.add_argument("--stitch-a", default=None,
                    help="another build's stitch binary for side A (default: --stitch), to compare "
