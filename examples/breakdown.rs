@@ -9,6 +9,7 @@
 //! after the event at which live bytes peak (reserved can reach its peak later, at lower live
 //! bytes, when little is stranded). With `growth`, every event at which reserved grew: the
 //! request, its stream, live bytes, the peak of live bytes so far and reserved after it.
+//! With `at=N`, the layout just before event N (the first N events replayed).
 use stitch_alloc::driver::SimDriver;
 use stitch_alloc::replay::{replay, ReplayOptions};
 use stitch_alloc::trace::{read_path, Event, ReadOptions};
@@ -28,7 +29,13 @@ fn main() {
         cfg = cfg.with_small_threshold(parse_size(v).expect("small=SIZE"));
     }
     // A first pass for the timeline: where live bytes peak, and where reserved grows.
-    let stop_after = if has("live-peak") || has("growth") {
+    let at = words
+        .iter()
+        .find_map(|w| w.strip_prefix("at="))
+        .map(|v| v.parse::<usize>().expect("at=EVENT"));
+    let stop_after = if at.is_some() {
+        at
+    } else if has("live-peak") || has("growth") {
         let a = Allocator::new(SimDriver::new(), cfg.clone()).unwrap();
         let opts = ReplayOptions {
             gpu_lag: lag,
