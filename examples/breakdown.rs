@@ -9,7 +9,8 @@
 //! after the event at which live bytes peak (reserved can reach its peak later, at lower live
 //! bytes, when little is stranded). With `growth`, every event at which reserved grew: the
 //! request, its stream, live bytes, the peak of live bytes so far and reserved after it.
-//! With `at=N`, the layout just before event N (the first N events replayed).
+//! With `at=N`, only the first N events are replayed (the layout is the one at their last
+//! peak of reserved bytes).
 use stitch_alloc::driver::SimDriver;
 use stitch_alloc::replay::{replay, ReplayOptions};
 use stitch_alloc::trace::{read_path, Event, ReadOptions};
