@@ -167,6 +167,13 @@ pub struct ReplayReport {
     /// beyond `create`; a moved handle its old place may still be using is unmapped there
     /// later, by another request). Empty without a meter ([`ReplayOptions::meter`]).
     pub slowest_allocs: Vec<SlowAlloc>,
+    /// Every allocation that called the driver, in trace order, with the mappings it made
+    /// and removed: the trajectory to compare, allocation by allocation, with the
+    /// `segment_map` / `segment_unmap` entries a history recorded under the C ABI holds
+    /// (`stitch replay --calls-log`, `scripts/trajectory.py`). Empty without a meter
+    /// ([`ReplayOptions::meter`]); not in the JSON report.
+    #[serde(skip)]
+    pub driver_allocs: Vec<DriverAlloc>,
     /// Modeled driver time spent in each tenth of the replayed events, in microseconds (ten
     /// entries, summing to the replay's share of `modeled_driver_us`): how much of it is
     /// warm-up, growing to the first peak, and how much recurs in the steady state. Empty
@@ -263,6 +270,19 @@ fn request_timing(mut us: Vec<f64>) -> crate::driver::RequestTiming {
         p99_us: at(0.99),
         max_us: us.last().copied().unwrap_or(0.0),
     }
+}
+
+/// One allocation that called the driver ([`ReplayReport::driver_allocs`]).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct DriverAlloc {
+    /// Its index among the trace's allocations (0 for the first allocation event).
+    pub alloc: usize,
+    /// Requested bytes.
+    pub bytes: u64,
+    /// Mappings it made (`map` calls).
+    pub maps: u64,
+    /// Mappings it removed (`unmap` calls).
+    pub unmaps: u64,
 }
 
 /// How many of the slowest allocations a replay keeps ([`ReplayReport::slowest_allocs`]).
@@ -435,6 +455,7 @@ pub fn replay<D: Driver>(
     let mut in_flight: std::collections::VecDeque<(usize, Stream, WorkId)> = Default::default();
     // Modeled driver time of each allocation that called the driver (with a meter).
     let mut per_alloc_us: Vec<f64> = Vec::new();
+    let mut driver_allocs: Vec<DriverAlloc> = Vec::new();
     let mut slowest: Vec<SlowAlloc> = Vec::new();
     ptrs.reserve(1024);
     let mut peak_live = 0u64;
@@ -478,6 +499,12 @@ pub fn replay<D: Driver>(
                     if dt > 0.0 {
                         per_alloc_us.push(dt);
                         let calls = calls_between(&c0, &c1);
+                        driver_allocs.push(DriverAlloc {
+                            alloc: r.allocs as usize - 1,
+                            bytes,
+                            maps: calls.get("map").copied().unwrap_or(0),
+                            unmaps: calls.get("unmap").copied().unwrap_or(0),
+                        });
                         let cand = SlowAlloc {
                             event: i,
                             bytes,
@@ -604,6 +631,7 @@ pub fn replay<D: Driver>(
     r.driver_calls = s.calls;
     r.modeled_us_per_alloc = opts.meter.as_ref().map(|_| request_timing(per_alloc_us));
     r.slowest_allocs = slowest;
+    r.driver_allocs = driver_allocs;
     if let Some(m) = &opts.meter {
         // Ten starts (an empty trace has none: its tenths cost nothing), then the end.
         let end = m.total_us();

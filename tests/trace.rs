@@ -1265,6 +1265,67 @@ fn replay_names_the_slowest_allocations_and_their_calls() {
         .is_empty());
 }
 
+/// `ReplayReport::driver_allocs` and `stitch replay --calls-log`: the trajectory that
+/// `scripts/trajectory.py` compares with a history recorded on the card. Three allocations
+/// create memory; two of them are freed around a live one, so the fourth (150 MiB, larger
+/// than either free block, within the growth budget of 210 MiB live) is stitched from their
+/// handles, which unmaps them. The oracle is the meter: only these four allocations called
+/// the driver (frees on one stream call nothing), so their maps and unmaps add up to its
+/// counts over the replay; entries are numbered among the allocations (the stitch is the
+/// fourth allocation but the sixth event). The CLI writes the same list.
+#[test]
+fn replay_lists_each_allocation_that_called_the_driver() {
+    use stitch_alloc::driver::DriverOp;
+    let m = 1u64 << 20;
+    let text = format!(
+        "a 1 {}\na 2 {}\na 3 {}\nf 1\nf 3\na 4 {}\n",
+        100 * m,
+        10 * m,
+        100 * m,
+        150 * m
+    );
+    let t = Trace::parse_str(&text).unwrap();
+    let (r, ((_, calls0), (_, calls1))) = metered_replay_span(&t);
+    assert_eq!(r.failed_allocs, 0);
+    let d = &r.driver_allocs;
+    let idx: Vec<usize> = d.iter().map(|c| c.alloc).collect();
+    assert_eq!(idx, vec![0, 1, 2, 3], "{d:?}");
+    assert_eq!(d[3].bytes, 150 * m);
+    assert!(
+        d[3].unmaps > 0,
+        "the stitch moved or released mapped handles: {d:?}"
+    );
+    assert_eq!(
+        d.iter().map(|c| c.maps).sum::<u64>(),
+        calls1.get(DriverOp::Map) - calls0.get(DriverOp::Map)
+    );
+    assert_eq!(
+        d.iter().map(|c| c.unmaps).sum::<u64>(),
+        calls1.get(DriverOp::Unmap) - calls0.get(DriverOp::Unmap)
+    );
+    let f = tmp("calls-log.trace");
+    std::fs::write(&f, &text).unwrap();
+    let out = tmp("calls-log.txt");
+    json(&[
+        "replay",
+        f.to_str().unwrap(),
+        "--json",
+        "--calls-log",
+        out.to_str().unwrap(),
+    ]);
+    let log = std::fs::read_to_string(&out).unwrap();
+    let rows: Vec<Vec<u64>> = log
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .map(|l| l.split(' ').map(|x| x.parse().unwrap()).collect())
+        .collect();
+    let want: Vec<Vec<u64>> = d
+        .iter()
+        .map(|c| vec![c.alloc as u64, c.bytes, c.maps, c.unmaps])
+        .collect();
+    assert_eq!(rows, want, "{log}");
+}
+
 /// `stitch replay --small-threshold`: a hundred live 600 KiB tensors. Under the default
 /// threshold (256 KiB) they are large-pool requests placed back to back: 58.6 MiB live in 30
 /// granules, 60 MiB. Under 1 MiB they are small-pool requests, three to a 2 MiB page (3 x 600

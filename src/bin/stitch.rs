@@ -297,6 +297,11 @@ struct ReplayArgs {
     /// `expandable_segments:True`, and print what stitch-alloc saves against each.
     #[arg(long)]
     compare: bool,
+    /// Write one line per allocation that called the driver: its index among the trace's
+    /// allocations, its requested bytes, the mappings it made and removed. Compared with a
+    /// history recorded under the C ABI by `scripts/trajectory.py`.
+    #[arg(long, value_name = "OUT.txt")]
+    calls_log: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -848,6 +853,13 @@ fn cmd_replay(a: &ReplayArgs) -> Result<ExitCode, String> {
     };
     let mut r = replay(&t, &b.alloc, &opts);
     r.stitching = Some(b.stitching);
+    if let Some(path) = &a.calls_log {
+        let mut text = String::from("# alloc bytes maps unmaps\n");
+        for c in &r.driver_allocs {
+            text += &format!("{} {} {} {}\n", c.alloc, c.bytes, c.maps, c.unmaps);
+        }
+        std::fs::write(path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    }
     if let Some(torch) = loaded.pytorch {
         r.set_pytorch_reserved(torch.peak_bytes);
     }
