@@ -49,6 +49,8 @@
  *                               only grows (default true)
  *   chain_fit:true|false        place a growing chain's next copy (a KV cache grown by
  *                               concatenation) by next fit (default true)
+ *   spare_pieces:true|false     a stitch takes last the free handles whose removal would
+ *                               strand a piece of a live handle (default false)
  *   prealloc:SIZE               create and map a pool of SIZE at the first allocation
  *   medium_threshold:N, medium_page:N
  *                               pack requests up to N into shared pages (default off)

@@ -160,6 +160,10 @@ struct AllocArgs {
     /// (Config::chain_fit off).
     #[arg(long)]
     no_chain_fit: bool,
+    /// Among free handles of one size, stitch first those whose removal strands no piece of
+    /// a handle shared with a live block (Config::spare_pieces on; off by default).
+    #[arg(long)]
+    spare_pieces: bool,
     /// Contiguous growth: map each new large span after the end of a run and link it in,
     /// so free tails coalesce with new memory (Config::contiguous; the default, so this
     /// flag only states it).
@@ -202,6 +206,7 @@ impl AllocArgs {
             no_recreate: false,
             no_loop_region: false,
             no_chain_fit: false,
+            spare_pieces: false,
             contiguous: false,
             no_contiguous: false,
             reserve_slack: None,
@@ -235,6 +240,7 @@ impl AllocArgs {
         c.recreate = !self.no_recreate;
         c.loop_region = !self.no_loop_region;
         c.chain_fit = !self.no_chain_fit;
+        c.spare_pieces = self.spare_pieces;
         c.contiguous = self.contiguous || (c.contiguous && !self.no_contiguous);
         if let Some(v) = self.reserve_slack {
             c.reserve_slack = v;

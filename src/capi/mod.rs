@@ -64,7 +64,7 @@ pub const CONF_ENV: &str = "STITCH_ALLOC_CONF";
 /// The keys `STITCH_ALLOC_CONF` accepts: the C ABI's own (backend, capacity, log, devices,
 /// out-of-memory policy), then the fields of [`Config`](crate::Config) but `capacity`
 /// (checked against both structs by a test).
-pub const CONF_KEYS: [&str; 26] = [
+pub const CONF_KEYS: [&str; 27] = [
     "backend",
     "capacity_fraction",
     "capacity_bytes",
@@ -85,6 +85,7 @@ pub const CONF_KEYS: [&str; 26] = [
     "prealloc",
     "loop_region",
     "chain_fit",
+    "spare_pieces",
     "stitching",
     "reserve_slack",
     "reserve_slack_min",

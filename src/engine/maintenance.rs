@@ -17,7 +17,7 @@ impl Engine {
         self.retry_quarantine(d);
         // Every free handle goes back, the loop region's too: the mode ends.
         self.leave_region();
-        let cands = stitch_candidates(&self.arena, &self.handles, None);
+        let cands = stitch_candidates(&self.arena, &self.handles, None, false);
         let released = self.release_candidates(d, cands)?;
         tracing::debug!(released, "empty_cache");
         Ok(released)

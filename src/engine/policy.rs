@@ -24,6 +24,11 @@ pub(crate) struct Candidate {
     /// The block's owner: clean, or the requesting stream's owner (dirty: moved by
     /// aliasing, leaving a ghost).
     pub(crate) owner: OwnerId,
+    /// Taking it would leave a piece of a handle shared with a live block stranded: it is
+    /// the first whole handle of its free block and the block starts before it, or the
+    /// last and the block ends after it. Only set under `Config::spare_pieces` (else
+    /// false), where [`choose`] takes such handles after the others of their size.
+    pub(crate) borders_piece: bool,
 }
 
 /// Result of an attempt to get more memory for a pool.
@@ -116,7 +121,7 @@ impl PlanContext<'_> {
     /// Whole free handles: inside clean free blocks, or unmapped; with `dirty`, also those
     /// inside free blocks of that owner (movable by aliasing only, see `ghosts`).
     pub(crate) fn stitch_candidates(&self, dirty: Option<OwnerId>) -> Vec<Candidate> {
-        let mut v = stitch_candidates(self.arena, self.handles, dirty);
+        let mut v = stitch_candidates(self.arena, self.handles, dirty, self.cfg.spare_pieces);
         if let Some((lo, hi)) = self.region {
             v.retain(|c| c.block == NIL || c.addr + c.size <= lo || c.addr >= hi);
         }
@@ -139,6 +144,7 @@ pub(crate) fn stitch_candidates(
     arena: &Arena,
     handles: &Handles,
     dirty: Option<OwnerId>,
+    spare_pieces: bool,
 ) -> Vec<Candidate> {
     let mut list = Vec::new();
     arena.collect_free(OwnerId::CLEAN, &mut list);
@@ -152,6 +158,7 @@ pub(crate) fn stitch_candidates(
         let State::Free { owner, .. } = b.state else {
             unreachable!("listed block is not free")
         };
+        let first = out.len();
         for (&ha, &id) in handles.mapped.range(b.addr..end) {
             let size = handles.size(id);
             if ha + size <= end {
@@ -161,8 +168,16 @@ pub(crate) fn stitch_candidates(
                     block: i,
                     addr: ha,
                     owner,
+                    borders_piece: false,
                 });
             }
+        }
+        // The block's whole handles, in address order: a piece lies before the first
+        // when the block starts inside a handle, after the last when it ends inside one.
+        if spare_pieces && out.len() > first {
+            let last = out.len() - 1;
+            out[first].borders_piece |= out[first].addr > b.addr;
+            out[last].borders_piece |= out[last].addr + out[last].size < end;
         }
     }
     for &id in &handles.unmapped {
@@ -172,6 +187,7 @@ pub(crate) fn stitch_candidates(
             block: NIL,
             addr: 0,
             owner: OwnerId::CLEAN,
+            borders_piece: false,
         });
     }
     out
@@ -179,8 +195,9 @@ pub(crate) fn stitch_candidates(
 
 /// Pick free handles to cover `need` bytes: clean ones before dirty ones (which leave a
 /// ghost behind); among each, unmapped ones first (no unmap needed), then the one that
-/// covers the remainder most tightly, else the largest, repeatedly. Takes all if they fall
-/// short.
+/// covers the remainder most tightly, else the largest, repeatedly; among handles of one
+/// size, those that border no piece of a live handle (`Candidate::borders_piece`) first.
+/// Takes all if they fall short.
 pub(crate) fn choose(cands: Vec<Candidate>, need: u64) -> Vec<Candidate> {
     let (clean, dirty): (Vec<Candidate>, Vec<Candidate>) =
         cands.into_iter().partition(|c| c.owner.is_clean());
@@ -193,7 +210,9 @@ pub(crate) fn choose(cands: Vec<Candidate>, need: u64) -> Vec<Candidate> {
 }
 
 fn choose_among(mut cands: Vec<Candidate>, need: u64) -> Vec<Candidate> {
-    cands.sort_by_key(|c| (c.block != NIL, std::cmp::Reverse(c.size)));
+    // Within a size, handles that border a piece come first, so that the tightest fit
+    // (the last that fits) is one that borders none when there is one.
+    cands.sort_by_key(|c| (c.block != NIL, std::cmp::Reverse(c.size), !c.borders_piece));
     let mut chosen = Vec::new();
     let mut left = need;
     // Unmapped handles cost no unmap: take them all first if they help.
@@ -204,7 +223,17 @@ fn choose_among(mut cands: Vec<Candidate>, need: u64) -> Vec<Candidate> {
     }
     while left > 0 && !cands.is_empty() {
         // cands is sorted by size, descending: the tightest fit is the last that fits.
-        let pick = cands.iter().rposition(|c| c.size >= left).unwrap_or(0);
+        let pick = cands
+            .iter()
+            .rposition(|c| c.size >= left)
+            .unwrap_or_else(|| {
+                // None covers the rest: the largest, one that borders no piece if any does.
+                let top = cands[0].size;
+                cands
+                    .iter()
+                    .position(|c| c.size == top && !c.borders_piece)
+                    .unwrap_or(0)
+            });
         let c = cands.remove(pick);
         left = left.saturating_sub(c.size);
         chosen.push(c);

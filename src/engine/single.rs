@@ -36,7 +36,7 @@ impl Engine {
             // clean free handles, the tightest cover of the shortfall first.
             self.poll(d, false)?;
             let short = bytes - self.headroom();
-            let cands = stitch_candidates(&self.arena, &self.handles, None);
+            let cands = stitch_candidates(&self.arena, &self.handles, None, false);
             let free: u64 = cands.iter().map(|c| c.size).sum();
             if free >= short {
                 self.release_candidates(d, choose(cands, short))?;

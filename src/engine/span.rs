@@ -570,6 +570,7 @@ mod tests {
             block,
             addr,
             owner: OwnerId::CLEAN,
+            borders_piece: false,
         }
     }
 
