@@ -193,9 +193,10 @@ pub struct Config {
     /// removal strands no piece of a handle that a live block shares (the first whole
     /// handle of a free block that starts inside a handle, the last of one that ends inside
     /// one). Such a piece, beside a live block, is what most of the excess at the peak is
-    /// made of; the simulator gives the zoo 0.0002-0.0009 less at GPU lags 3-30 and serving
-    /// loops of the synthetic kinds 0.002-0.004 more (design/zoo.md, "Twenty-eighth
-    /// session").
+    /// made of. On the simulator it is level with the default within each set's spread
+    /// (zoo, holdouts, synthetic serving loops) and lowers serve's recorded history from
+    /// 1.0333 to 1.0251 (design/zoo.md, "Twenty-eighth session"); not yet measured
+    /// through torch.
     #[serde(deserialize_with = "de_flag")]
     pub spare_pieces: bool,
     /// Check every invariant after each operation (slow; for tests and fuzzing).
