@@ -195,8 +195,8 @@ pub struct Config {
     /// one). Such a piece, beside a live block, is what most of the excess at the peak is
     /// made of. On the simulator it is level with the default within each set's spread
     /// (zoo, holdouts, synthetic serving loops) and lowers serve's recorded history from
-    /// 1.0333 to 1.0251 (design/zoo.md, "Twenty-eighth session"); not yet measured
-    /// through torch.
+    /// 1.0333 to 1.0251; through torch it is level on nine zoo workloads (1.0074 against
+    /// 1.0071-1.0076), serve not yet measured (design/zoo.md, "Twenty-eighth session").
     #[serde(deserialize_with = "de_flag")]
     pub spare_pieces: bool,
     /// Check every invariant after each operation (slow; for tests and fuzzing).
