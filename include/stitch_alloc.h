@@ -41,7 +41,7 @@
  *   reserve_slack:F             growth slack before free handles are reused, F in
  *                               [0, 1000] (default 0)
  *   reserve_slack_min:SIZE      floor under that slack (default 0)
- *   handle_divisor:N            new memory in handles of about request / N (default 64)
+ *   handle_divisor:N            new memory in handles of about request / N (default 128)
  *   split_min:SIZE              the smallest such handle (default 2MiB)
  *   recreate:true|false         stitch clean handles by release and re-create (default true)
  *   contiguous:true|false       grow large spans at the end of a run, free tails coalescing (default true)

@@ -105,8 +105,8 @@ pub struct Config {
     /// New large-pool memory is created in handles of about `request / handle_divisor`
     /// bytes (a power of two times the granularity, between `split_min` and `max_handle`),
     /// so that a later, smaller request reusing the memory can be cut at a handle boundary
-    /// and strands little (default 64 since 2026-12-02, 32 before, 16 before that; 1 =
-    /// handles of `max_handle`, the fewest driver calls). The zoo of real PyTorch workloads
+    /// and strands little (default 128 since 2026-12-07, 64 from 2026-12-02, 32 before, 16
+    /// before that; 1 = handles of `max_handle`, the fewest driver calls). The zoo of real PyTorch workloads
     /// (design/zoo.md) measures the trade-off.
     #[serde(deserialize_with = "de_parsed")]
     pub handle_divisor: u64,
@@ -214,7 +214,7 @@ impl Default for Config {
             medium_page: 64 << 20,
             min_handle: None,
             max_handle: 8 << 20,
-            handle_divisor: 64,
+            handle_divisor: 128,
             split_min: 2 << 20,
             recreate: true,
             contiguous: true,
@@ -991,7 +991,7 @@ mod tests {
         let r = Config::default().resolve(G, DEV).unwrap();
         assert_eq!(r.capacity, 1 << 30);
         assert_eq!((r.small_page, r.min_handle, r.max_handle), (G, G, 8 * MIB));
-        assert_eq!((r.handle_divisor, r.split_min), (64, G));
+        assert_eq!((r.handle_divisor, r.split_min), (128, G));
         assert_eq!(r.medium_threshold, r.small_threshold, "medium pool off");
         // The medium page (64 MiB asked) is one handle at most: max_handle.
         assert_eq!(r.medium_page, 8 * MIB);

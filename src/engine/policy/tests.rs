@@ -166,18 +166,26 @@ fn handles_are_sized_to_the_request() {
 }
 
 #[test]
-fn default_handles_are_request_over_64_from_one_granule_to_8_mib() {
+fn default_handles_are_request_over_128_from_one_granule_to_8_mib() {
     let cfg = Config::default();
     assert_eq!(
         (cfg.max_handle, cfg.handle_divisor, cfg.split_min),
-        (8 * M, 64, 2 * M)
+        (8 * M, 128, 2 * M)
     );
     let r = resolved(&cfg);
     assert_eq!(super::handle_size(&r, 8 * M), 2 * M);
-    assert_eq!(super::handle_size(&r, 128 * M), 2 * M);
-    assert_eq!(super::handle_size(&r, 256 * M), 4 * M);
-    assert_eq!(super::handle_size(&r, 512 * M), 8 * M);
+    assert_eq!(super::handle_size(&r, 256 * M), 2 * M);
+    assert_eq!(super::handle_size(&r, 512 * M), 4 * M);
+    assert_eq!(super::handle_size(&r, 1 << 30), 8 * M);
     assert_eq!(super::handle_size(&r, 64 << 30), 8 * M);
+    // What the driver sees: a fresh 512 MiB request is 128 handles of 4 MiB (64 of 8 MiB
+    // with divisor 64, the default before 2026-12-07; design/zoo.md "Twenty-ninth session").
+    let (d, mut e) = Engine::on_sim(1 << 30, &cfg);
+    let before = d.calls().get(crate::driver::DriverOp::Create);
+    let p = e.alloc(&d, 512 * M, Stream::DEFAULT).unwrap();
+    assert_eq!(d.calls().get(crate::driver::DriverOp::Create) - before, 128);
+    e.free(&d, p, Stream::DEFAULT).unwrap();
+    e.teardown(&d);
 }
 
 #[test]
