@@ -106,8 +106,8 @@ pub struct Config {
     /// bytes (a power of two times the granularity, between `split_min` and `max_handle`),
     /// so that a later, smaller request reusing the memory can be cut at a handle boundary
     /// and strands little (default 128 since 2026-12-07, 64 from 2026-12-02, 32 before, 16
-    /// before that; 1 = handles of `max_handle`, the fewest driver calls). The zoo of real PyTorch workloads
-    /// (design/zoo.md) measures the trade-off.
+    /// before that; 1 = handles of `max_handle`, the fewest driver calls). The zoo of real
+    /// PyTorch workloads (design/zoo.md) measures the trade-off.
     #[serde(deserialize_with = "de_parsed")]
     pub handle_divisor: u64,
     /// The smallest handle `handle_divisor` splits down to, a multiple of the granularity

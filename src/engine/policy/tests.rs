@@ -1,5 +1,5 @@
 use super::*;
-use crate::driver::{Driver, SimDriver, Stream};
+use crate::driver::{Driver, DriverOp, SimDriver, Stream};
 use crate::engine::Engine;
 use crate::Config;
 
@@ -181,9 +181,9 @@ fn default_handles_are_request_over_128_from_one_granule_to_8_mib() {
     // What the driver sees: a fresh 512 MiB request is 128 handles of 4 MiB (64 of 8 MiB
     // with divisor 64, the default before 2026-12-07; design/zoo.md "Twenty-ninth session").
     let (d, mut e) = Engine::on_sim(1 << 30, &cfg);
-    let before = d.calls().get(crate::driver::DriverOp::Create);
+    let before = d.calls().get(DriverOp::Create);
     let p = e.alloc(&d, 512 * M, Stream::DEFAULT).unwrap();
-    assert_eq!(d.calls().get(crate::driver::DriverOp::Create) - before, 128);
+    assert_eq!(d.calls().get(DriverOp::Create) - before, 128);
     e.free(&d, p, Stream::DEFAULT).unwrap();
     e.teardown(&d);
 }
