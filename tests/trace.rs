@@ -958,7 +958,7 @@ fn cli_demo_runs() {
     assert!(text.contains("What you are looking at"));
 }
 
-/// The demo quotes the real workloads' figures measured on the H200 (`tests/data/zoo/h200.json`)
+/// The demo quotes the real workloads' figures measured through torch (`tests/data/zoo/torch.json`)
 /// beside each shipped snapshot replayed on the simulated H200, and the replayed ratio is the
 /// one `stitch replay` gives for the same snapshot; a folder without the figures is named in
 /// the text, not an error.
@@ -979,9 +979,9 @@ fn cli_demo_quotes_the_zoo_beside_its_replays() {
     for r in rows {
         let w = r["workload"].as_str().unwrap();
         for k in [
-            "h200_pytorch_default",
-            "h200_expandable_segments",
-            "h200_stitch_alloc",
+            "torch_pytorch_default",
+            "torch_expandable_segments",
+            "torch_stitch_alloc",
         ] {
             assert!(r[k].as_f64().unwrap() >= 1.0, "{w} {k}");
         }

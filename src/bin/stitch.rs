@@ -341,8 +341,8 @@ struct DemoArgs {
         "CUDA device 0 when a usable GPU and driver are found, else host memory sized like an H200"))]
     backend: Backend,
     /// The folder of real PyTorch snapshots replayed after the two generated workloads, with
-    /// `h200.json` beside them (the figures measured through torch on the H200). Default:
-    /// the repository's `tests/data/zoo`.
+    /// `torch.json` beside them (the figures measured through torch on the GPU, with the runs
+    /// and cards they come from). Default: the repository's `tests/data/zoo`.
     #[arg(long)]
     zoo: Option<PathBuf>,
 }
@@ -1068,23 +1068,23 @@ fn demo_run(t: &Trace, stitching: bool, backend: Backend) -> Result<ReplayReport
 
 /// One real workload of the demo's zoo section: its snapshot replayed on the simulated H200
 /// at GPU lags 0 and 1000 (`None` when the snapshot is not shipped), and the figures measured
-/// through torch on the H200 that `h200.json` records for it.
+/// through torch that `torch.json` records for it.
 #[derive(serde::Serialize)]
 struct ZooRow {
     workload: String,
     kind: String,
     replay_lag0: Option<f64>,
     replay_lag1000: Option<f64>,
-    h200_pytorch_default: f64,
-    h200_expandable_segments: f64,
-    h200_stitch_alloc: f64,
+    torch_pytorch_default: f64,
+    torch_expandable_segments: f64,
+    torch_stitch_alloc: f64,
 }
 
-/// The demo's zoo section: every workload `dir/h200.json` lists, its snapshot (when present)
+/// The demo's zoo section: every workload `dir/torch.json` lists, its snapshot (when present)
 /// replayed through stitch-alloc's default configuration on the simulated H200 (the CPU
 /// backends' own handle limits would change the handle sizes, see `Driver::handle_limit`).
 fn demo_zoo(dir: &std::path::Path) -> Result<(Vec<ZooRow>, serde_json::Value), String> {
-    let path = dir.join("h200.json");
+    let path = dir.join("torch.json");
     let text = std::fs::read_to_string(&path)
         .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
     let doc: serde_json::Value =
@@ -1128,9 +1128,9 @@ fn demo_zoo(dir: &std::path::Path) -> Result<(Vec<ZooRow>, serde_json::Value), S
             kind: v["kind"].as_str().unwrap_or("").to_string(),
             replay_lag0: lag0,
             replay_lag1000: lag1000,
-            h200_pytorch_default: figure(w, v, "pytorch_default")?,
-            h200_expandable_segments: figure(w, v, "expandable_segments")?,
-            h200_stitch_alloc: figure(w, v, "stitch_alloc")?,
+            torch_pytorch_default: figure(w, v, "pytorch_default")?,
+            torch_expandable_segments: figure(w, v, "expandable_segments")?,
+            torch_stitch_alloc: figure(w, v, "stitch_alloc")?,
         });
     }
     let sources = serde_json::json!({
@@ -1317,7 +1317,7 @@ fn cmd_demo(a: &DemoArgs) -> Result<(), String> {
 
 /// The demo's table of real workloads (see [`demo_zoo`]).
 fn demo_zoo_table(rows: &[ZooRow], sources: &serde_json::Value) {
-    out!("Real PyTorch workloads: peak reserved / peak requested, measured through torch on an H200, and the");
+    out!("Real PyTorch workloads: peak reserved / peak requested, measured through torch on the GPU (sources below), and the");
     out!("shipped snapshots (PyTorch default's allocation history) replayed here on the simulated H200 at GPU lags 0 / 1000.");
     out!();
     out!(
@@ -1334,9 +1334,9 @@ fn demo_zoo_table(rows: &[ZooRow], sources: &serde_json::Value) {
             "{:<16} {:<10} {:>15.4} {:>15.4} {:>15.4} {:>18}",
             r.workload,
             r.kind,
-            r.h200_pytorch_default,
-            r.h200_expandable_segments,
-            r.h200_stitch_alloc,
+            r.torch_pytorch_default,
+            r.torch_expandable_segments,
+            r.torch_stitch_alloc,
             match (r.replay_lag0, r.replay_lag1000) {
                 (Some(a), Some(b)) => format!("{a:.4} / {b:.4}"),
                 _ => "not shipped".to_string(),
@@ -1345,14 +1345,14 @@ fn demo_zoo_table(rows: &[ZooRow], sources: &serde_json::Value) {
     }
     let below = rows
         .iter()
-        .filter(|r| r.h200_stitch_alloc < r.h200_expandable_segments)
+        .filter(|r| r.torch_stitch_alloc < r.torch_expandable_segments)
         .count();
     out!(
         "{:<27} {:>15.4} {:>15.4} {:>15.4}",
         "geometric mean",
-        geomean(rows.iter().map(|r| r.h200_pytorch_default)),
-        geomean(rows.iter().map(|r| r.h200_expandable_segments)),
-        geomean(rows.iter().map(|r| r.h200_stitch_alloc))
+        geomean(rows.iter().map(|r| r.torch_pytorch_default)),
+        geomean(rows.iter().map(|r| r.torch_expandable_segments)),
+        geomean(rows.iter().map(|r| r.torch_stitch_alloc))
     );
     out!(
         "stitch-alloc holds less than expandable segments on {below} of {} (sources: {}; {}).",
