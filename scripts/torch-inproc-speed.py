@@ -98,6 +98,38 @@ def counters(stitch_alloc):
             "repeated_stitches": float(st.get("repeated_stitches", 0))}
 
 
+def profile_sides(torch, ext, step, n):
+    """`n` steps per side under torch.profiler (sides alternating twice, default first, then
+    stitch-alloc first): per side the GPU kernels' summed time and count per step, and per
+    kernel name its time per step. The profiler slows the CPU's side, not the kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    per = {"default": {}, "stitch": {}}
+    total = {"default": [], "stitch": []}
+    count = {"default": [], "stitch": []}
+    for order in (("default", "stitch"), ("stitch", "default")):
+        for side in order:
+            ext._set_delegate(side == "default")
+            for _ in range(2):
+                step()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(n):
+                    step()
+                torch.cuda.synchronize()
+            kern = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            total[side].append(sum(e.time_range.elapsed_us() for e in kern) / n)
+            count[side].append(len(kern) / n)
+            for e in kern:
+                per[side][e.name] = per[side].get(e.name, 0.0) + e.time_range.elapsed_us() / (2 * n)
+    ext._set_delegate(False)
+    names = set(per["default"]) | set(per["stitch"])
+    diff = sorted(names, key=lambda k: -abs(per["stitch"].get(k, 0) - per["default"].get(k, 0)))
+    return {"kernel_us_per_step": total, "kernels_per_step": count,
+            "largest_differences_us": [[k[:90], per["default"].get(k, 0), per["stitch"].get(k, 0)]
+                                       for k in diff[:8]]}
+
+
 def interval(ratios, resamples=4000, seed=0):
     rng = random.Random(seed)
     meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
@@ -111,6 +143,10 @@ def main():
                    help=f"comma-separated; also {', '.join(VARIANTS)}")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--steps", type=int, default=8, help="timed steps per side and round")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after the rounds, N steps per side under torch.profiler: the summed "
+                        "time of the GPU kernels per step, and the kernels whose time differs "
+                        "most between the two sides (is a gap in the GPU's work or the CPU's?)")
     p.add_argument("--conf", default=None,
                    help="stitch-alloc's configuration (STITCH_ALLOC_CONF syntax), e.g. "
                         "prealloc:2400MiB")
@@ -135,7 +171,7 @@ def main():
             got = {}
             for side in (("default", "stitch") if r % 2 == 0 else ("stitch", "default")):
                 ext._set_delegate(side == "default")
-                times, gpu = [], []
+                times, gpu, submit = [], [], []
                 for i in range(2 + a.steps):
                     if i == 2:
                         before = counters(stitch_alloc)
@@ -143,14 +179,17 @@ def main():
                     t0 = time.perf_counter()
                     e0.record()
                     step()
+                    t1 = time.perf_counter()
                     e1.record()
                     torch.cuda.synchronize()
                     if i >= 2:
                         times.append(time.perf_counter() - t0)
                         gpu.append(e0.elapsed_time(e1) / 1e3)
+                        submit.append(t1 - t0)
                 after = counters(stitch_alloc)
                 got[side] = statistics.median(times)
                 got[side + "_gpu"] = statistics.median(gpu)
+                got[side + "_submit"] = statistics.median(submit)
                 got[side + "_stats"] = {k: (after[k] - before[k]) / a.steps for k in after}
             ext._set_delegate(False)
             rounds.append(got)
@@ -164,12 +203,18 @@ def main():
                          "stitch_median_ms": 1e3 * statistics.median(x["stitch"] for x in rounds),
                          "gpu_median_ms": {k: 1e3 * statistics.median(x[k + "_gpu"] for x in rounds)
                                            for k in ("default", "stitch")},
+                         "submit_median_ms": {k: 1e3 * statistics.median(x[k + "_submit"] for x in rounds)
+                                              for k in ("default", "stitch")},
+                         "submit_ratio_median": statistics.median(
+                             x["default_submit"] / x["stitch_submit"] for x in rounds),
                          "stitch_side_per_step": {
                              k: statistics.median(x["stitch_stats"][k] for x in rounds)
                              for k in rounds[0]["stitch_stats"]},
                          "default_side_per_step": {
                              k: statistics.median(x["default_stats"][k] for x in rounds)
                              for k in rounds[0]["default_stats"]}}
+        if a.profile:
+            results[name]["profile"] = profile_sides(torch, ext, step, a.profile)
         del step
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -193,6 +238,22 @@ def main():
         cells = lambda c: ", ".join(f"{c[k]:.1f}" for k in ("driver_us", "api_us", "event_waits",
                                                              "slow_allocs", "repeated_stitches"))
         print(f"| {name} | {g['default']:.2f} / {g['stitch']:.2f} ms | {cells(st)} | {cells(df)} |")
+    print("\n| workload | CPU time to submit a step (until it returns, before the "
+          "synchronisation), default / stitch-alloc | default / stitch-alloc, median of rounds |")
+    print("|---|---|---|")
+    for name, r in results.items():
+        sm = r["submit_median_ms"]
+        print(f"| {name} | {sm['default']:.2f} / {sm['stitch']:.2f} ms | {r['submit_ratio_median']:.4f} |")
+    for name, r in results.items():
+        if "profile" in r:
+            pr = r["profile"]
+            print(f"\n{name} under the profiler: GPU kernels per step, summed time (us) default "
+                  f"{pr['kernel_us_per_step']['default']} stitch-alloc "
+                  f"{pr['kernel_us_per_step']['stitch']}; kernels per step default "
+                  f"{pr['kernels_per_step']['default']} stitch-alloc "
+                  f"{pr['kernels_per_step']['stitch']}")
+            for k, d, s_ in pr["largest_differences_us"]:
+                print(f"    {d:10.1f} {s_:10.1f} us  {k}")
 
 
 if __name__ == "__main__":
