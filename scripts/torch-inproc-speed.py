@@ -20,7 +20,9 @@ Workloads (fixed shapes, models from configs with random weights): ``llm-train-s
 zoo's Llama 8x768, AdamW, bf16 autocast; batch 8 x 512; ``llm-train-s-b2`` and ``-b32`` at
 batch 2 and 32, on request), ``bert-encode`` (BERT-base fp16
 inference; batch 32 x 256), ``resnet50-amp`` and ``vit-amp`` (timm training with AMP, SGD;
-batch 64 and 32 of 224^2 images). The model and the optimizer state are allocated once, by
+batch 64 and 32 of 224^2 images); on request ``lora`` (peft LoRA on a Llama 8x1024, batch
+4 x 512), ``moe`` (the zoo's mixture of experts, expert batches changing every step in a
+sequence both sides repeat) and ``hf-generate`` (``generate``, batch 8, 128 + 32 tokens). The model and the optimizer state are allocated once, by
 stitch-alloc, before the first round. Prints one ``RESULT {json}`` line and a table.
 """
 import argparse
@@ -77,12 +79,112 @@ def timm_amp(name, batch):
     return build
 
 
+def lora(torch, zoo):
+    from peft import LoraConfig, get_peft_model
+
+    base = zoo._llama(torch, 8, 1024, torch.bfloat16)
+    model = get_peft_model(base, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05,
+                                            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    ids = torch.randint(3, 32000, (4, 512), device="cuda")
+
+    def step():
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        del out
+
+    return step
+
+
+class Varying:
+    """A step whose inputs change from step to step in a sequence that starts again at
+    `reset()` (called before each side's steps), so both allocators see the same sizes in
+    the same order."""
+
+    def __init__(self, torch, body, seed=0):
+        self.torch, self.body, self.seed = torch, body, seed
+        self.reset()
+
+    def reset(self):
+        self.gen = self.torch.Generator(device="cuda")
+        self.gen.manual_seed(self.seed)
+        self.i = 0
+
+    def __call__(self):
+        self.body(self.gen, self.i)
+        self.i += 1
+
+
+def moe(torch, zoo):
+    """The zoo's mixture-of-experts layers (8 experts, top 2, 4 layers, d 1024, bf16 autocast)
+    on 8,192 tokens a step whose mean drifts, so the experts' batch sizes change every step
+    (the same sequence on both sides)."""
+    nn = torch.nn
+    experts, top_k, d, f = 8, 2, 1024, 4096
+
+    class MoE(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router = nn.Linear(d, experts)
+            self.w1 = nn.ModuleList(nn.Linear(d, f) for _ in range(experts))
+            self.w2 = nn.ModuleList(nn.Linear(f, d) for _ in range(experts))
+
+        def forward(self, x):
+            weights, chosen = self.router(x).softmax(-1).topk(top_k, dim=-1)
+            out = torch.zeros_like(x)
+            for e in range(experts):
+                rows, slot = (chosen == e).nonzero(as_tuple=True)
+                if rows.numel() == 0:
+                    continue
+                h = self.w2[e](torch.nn.functional.gelu(self.w1[e](x[rows])))
+                out.index_add_(0, rows, h * weights[rows, slot, None])
+            return out
+
+    model = nn.Sequential(*[MoE() for _ in range(4)]).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def body(gen, i):
+        x = torch.randn(8192, d, device="cuda", generator=gen) + ((i * 0.37) % 2.0 - 1.0)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(x).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        del x, loss
+
+    return Varying(torch, body)
+
+
+def hf_generate(torch, zoo):
+    """`generate` on the zoo's bf16 Llama of 4 x 2048: batch 8, a 128-token prompt, 32 new
+    tokens (no early stop), as one step."""
+    model = zoo._llama(torch, 4, 2048, torch.bfloat16).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    ids = torch.randint(3, 32000, (8, 128), device="cuda")
+
+    def step():
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                 max_new_tokens=32, do_sample=False, use_cache=True)
+            del out
+
+    return step
+
+
 WORKLOADS = {"llm-train-s": llm_train(8), "bert-encode": bert_encode,
              "resnet50-amp": timm_amp("resnet50", 64), "vit-amp": timm_amp("vit_base_patch16_224", 32)}
 # The same model at a quarter and four times the batch (not in the default list): about the
 # same allocations per step for a quarter and four times the GPU work, so a cost per
 # allocation on the CPU weighs four times more, or a quarter as much, than at batch 8.
-VARIANTS = {"llm-train-s-b2": llm_train(2), "llm-train-s-b32": llm_train(32)}
+VARIANTS = {"llm-train-s-b2": llm_train(2), "llm-train-s-b32": llm_train(32),
+            # More of the zoo's kinds (thirty-first session): a LoRA fine-tune (peft, fixed
+            # batch 4 x 512), the mixture of experts with expert batches changing every step,
+            # and HF generate with a KV cache.
+            "lora": lora, "moe": moe, "hf-generate": hf_generate}
 
 
 def counters(stitch_alloc):
@@ -98,6 +200,11 @@ def counters(stitch_alloc):
             "repeated_stitches": float(st.get("repeated_stitches", 0))}
 
 
+def restart(step):
+    """Start a varying step's input sequence again (see `Varying`); nothing for the others."""
+    getattr(step, "reset", lambda: None)()
+
+
 def profile_sides(torch, ext, step, n):
     """`n` steps per side under torch.profiler (sides alternating twice, default first, then
     stitch-alloc first): per side the GPU kernels' summed time and count per step, and per
@@ -110,6 +217,7 @@ def profile_sides(torch, ext, step, n):
     for order in (("default", "stitch"), ("stitch", "default")):
         for side in order:
             ext._set_delegate(side == "default")
+            restart(step)
             for _ in range(2):
                 step()
             torch.cuda.synchronize()
@@ -130,6 +238,36 @@ def profile_sides(torch, ext, step, n):
                                        for k in diff[:8]]}
 
 
+def clock_sides(torch, ext, stitch_alloc, step, n):
+    """`n` steps per side (sides alternating twice) with the extension's diagnostic clock on:
+    per side and step, the microseconds inside allocate and inside the frees (the
+    extension's layer included), the calls, and on stitch-alloc's side the C ABI's own
+    malloc + free time (its sampled clock) for the same steps."""
+    out = {"default": [], "stitch": []}
+    for order in (("default", "stitch"), ("stitch", "default")):
+        for side in order:
+            ext._set_delegate(side == "default")
+            restart(step)
+            for _ in range(2):
+                step()
+            torch.cuda.synchronize()
+            c0, k0 = ext._alloc_clock(), counters(stitch_alloc)
+            ext._set_alloc_clock(True)
+            for _ in range(n):
+                step()
+            ext._set_alloc_clock(False)
+            torch.cuda.synchronize()
+            c1, k1 = ext._alloc_clock(), counters(stitch_alloc)
+            pre = "stitch" if side == "stitch" else "native"
+            d = {f: [(c1[f"{pre}_{f}"][i] - c0[f"{pre}_{f}"][i]) / n for i in (0, 1)]
+                 for f in ("alloc", "free")}
+            out[side].append({"alloc_calls": d["alloc"][0], "alloc_us": d["alloc"][1] / 1e3,
+                              "free_calls": d["free"][0], "free_us": d["free"][1] / 1e3,
+                              "c_abi_us": (k1["api_us"] - k0["api_us"]) / n})
+    ext._set_delegate(False)
+    return out
+
+
 def interval(ratios, resamples=4000, seed=0):
     rng = random.Random(seed)
     meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
@@ -147,6 +285,10 @@ def main():
                    help="after the rounds, N steps per side under torch.profiler: the summed "
                         "time of the GPU kernels per step, and the kernels whose time differs "
                         "most between the two sides (is a gap in the GPU's work or the CPU's?)")
+    p.add_argument("--alloc-clock", type=int, default=0, metavar="N",
+                   help="after the rounds, N steps per side (twice, alternating) with the "
+                        "extension's diagnostic clock on: the time spent inside each "
+                        "allocator's allocate and free per step, inside the real step")
     p.add_argument("--conf", default=None,
                    help="stitch-alloc's configuration (STITCH_ALLOC_CONF syntax), e.g. "
                         "prealloc:2400MiB")
@@ -171,6 +313,7 @@ def main():
             got = {}
             for side in (("default", "stitch") if r % 2 == 0 else ("stitch", "default")):
                 ext._set_delegate(side == "default")
+                restart(step)
                 times, gpu, submit = [], [], []
                 for i in range(2 + a.steps):
                     if i == 2:
@@ -215,6 +358,8 @@ def main():
                              for k in rounds[0]["default_stats"]}}
         if a.profile:
             results[name]["profile"] = profile_sides(torch, ext, step, a.profile)
+        if a.alloc_clock:
+            results[name]["alloc_clock"] = clock_sides(torch, ext, stitch_alloc, step, a.alloc_clock)
         del step
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -244,6 +389,18 @@ def main():
     for name, r in results.items():
         sm = r["submit_median_ms"]
         print(f"| {name} | {sm['default']:.2f} / {sm['stitch']:.2f} ms | {r['submit_ratio_median']:.4f} |")
+    if any("alloc_clock" in r for r in results.values()):
+        print("\n| workload | side | allocations per step | us in allocate per step | frees per "
+              "step | us in free per step | allocate + free, us per pair | C ABI's own malloc + "
+              "free us per step |")
+        print("|---|---|---|---|---|---|---|---|")
+        for name, r in results.items():
+            for side, runs in r.get("alloc_clock", {}).items():
+                for x in runs:
+                    pair = (x["alloc_us"] + x["free_us"]) / max(x["alloc_calls"], 1)
+                    print(f"| {name} | {side} | {x['alloc_calls']:.0f} | {x['alloc_us']:.1f} | "
+                          f"{x['free_calls']:.0f} | {x['free_us']:.1f} | {pair * 1e3:.0f} ns | "
+                          f"{x['c_abi_us']:.1f} |")
     for name, r in results.items():
         if "profile" in r:
             pr = r["profile"]

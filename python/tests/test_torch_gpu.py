@@ -582,6 +582,49 @@ def test_extension_history_completes_a_free_through_a_pools_own_allocator(libpat
     assert acts.index("free_completed") > acts.index("free_requested"), acts
 
 
+def test_extension_alloc_clock_counts_each_allocators_calls_only_while_on(libpath):
+    """The extension's diagnostic clock (scripts/torch-inproc-speed.py --alloc-clock): off, it
+    counts nothing; on, each allocate and free of stitch-alloc's blocks and of torch's own
+    (handed out while delegating) is counted on its own side, with a positive time; a
+    delegated block behind the timed deleter holds its data, and its free is counted once
+    the clock is off too (it goes to torch's allocator through the timed deleter)."""
+    res = run_torch(
+        libpath,
+        """
+        ext = stitch_alloc.enable()
+        def clock():
+            return {k: list(v) for k, v in ext._alloc_clock().items()}
+        c0 = clock()
+        x = torch.ones(1 << 20, device="cuda"); del x
+        c1 = clock()
+        ext._set_alloc_clock(True)
+        xs = [torch.ones(1 << 18, device="cuda") for _ in range(3)]; del xs
+        ext._set_delegate(True)
+        ys = [torch.ones(1 << 18, device="cuda") for _ in range(2)]; del ys
+        ext._set_delegate(False)
+        ext._set_alloc_clock(False)
+        c2 = clock()
+        z = torch.ones(1 << 18, device="cuda"); del z
+        c3 = clock()
+        # A delegated block behind the timed deleter holds its data and goes back to torch.
+        ext._set_delegate(True)
+        ext._set_alloc_clock(True)
+        w = torch.full((1 << 18,), 2.0, device="cuda")
+        ext._set_alloc_clock(False)
+        total = float(w.sum().item())
+        del w
+        ext._set_delegate(False)
+        d = {k: [c2[k][0] - c1[k][0], c2[k][1] > c1[k][1]] for k in c2}
+        print("RESULT", json.dumps({"off": c1 == c0 and c3 == c2, "on": d, "total": total,
+                                    "native_free_after": clock()["native_free"][0] - c3["native_free"][0]}))
+        """,
+        ext=True,
+    )
+    assert res == {"off": True, "total": float(2 << 18), "native_free_after": 1,
+                   "on": {"stitch_alloc": [3, True], "stitch_free": [3, True],
+                          "native_alloc": [2, True], "native_free": [2, True]}}, res
+
+
 def test_extension_delegation_hands_out_torchs_own_memory_and_takes_it_back(libpath):
     """The extension's diagnostic delegation (scripts/torch-inproc-speed.py): while on, new
     tensors and raw allocations come from torch's own caching allocator (stitch-alloc's

@@ -36,7 +36,9 @@
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <deque>
@@ -134,6 +136,37 @@ Lib lib;
 
 void deleter(void* ptr);
 
+// A diagnostic clock (`_set_alloc_clock`, `_alloc_clock`; scripts/torch-inproc-speed.py
+// --alloc-clock): nanoseconds spent inside this allocator's `allocate` and DataPtr deleter,
+// counted apart for stitch-alloc's blocks and for the blocks of torch's own allocator handed
+// out while delegating, so that the two allocators' cost inside a real step can be compared.
+// Off by default; when off it costs one relaxed load per call.
+enum ClockSlot { kStitchAlloc = 0, kStitchFree = 1, kNativeAlloc = 2, kNativeFree = 3 };
+std::atomic<bool> clock_on{false};
+std::array<std::atomic<uint64_t>, 4> clock_ns{};
+std::array<std::atomic<uint64_t>, 4> clock_calls{};
+// Torch's own deleter of the blocks it hands out (`local_raw_delete`), seen at the first
+// delegated allocation while the clock runs.
+std::atomic<c10::DeleterFnPtr> native_deleter{nullptr};
+
+inline uint64_t clock_now() {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                   std::chrono::steady_clock::now().time_since_epoch())
+                                   .count());
+}
+
+inline void clock_add(ClockSlot slot, uint64_t t0) {
+  clock_ns[slot].fetch_add(clock_now() - t0, std::memory_order_relaxed);
+  clock_calls[slot].fetch_add(1, std::memory_order_relaxed);
+}
+
+// The deleter of a delegated block while the clock runs: torch's own, timed.
+void timed_native_deleter(void* ptr) {
+  uint64_t t0 = clock_now();
+  native_deleter.load(std::memory_order_relaxed)(ptr);
+  clock_add(kNativeFree, t0);
+}
+
 // A graph-pool block leaving its released pool.
 struct Released {
   void* ptr;
@@ -202,12 +235,47 @@ class StitchAllocator final : public CCA::CUDAAllocator {
   // --- c10::Allocator ------------------------------------------------------------------
 
   c10::DataPtr allocate(size_t n) override {
+    if (clock_on.load(std::memory_order_relaxed)) {
+      return clocked_allocate(n);
+    }
     if (delegate_.load(std::memory_order_relaxed)) {
       return native_->allocate(n);
     }
     DeviceIndex device = c10::cuda::current_device();
     cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
     return alloc_on(n, device, stream);
+  }
+
+  // `allocate` while the diagnostic clock runs. A delegated block whose context is its
+  // pointer (torch's caching allocator's) gets the timed deleter, which calls torch's; torch's
+  // recordStream ignores such a block, so the clock is for single-stream loops only.
+  c10::DataPtr clocked_allocate(size_t n) {
+    uint64_t t0 = clock_now();
+    if (delegate_.load(std::memory_order_relaxed)) {
+      c10::DataPtr d = native_->allocate(n);
+      clock_add(kNativeAlloc, t0);
+      void* p = d.get();
+      if (p == nullptr || d.get_context() != p) {
+        return d;
+      }
+      c10::DeleterFnPtr del = d.get_deleter();
+      c10::DeleterFnPtr seen = native_deleter.load(std::memory_order_relaxed);
+      if (seen == nullptr) {
+        native_deleter.compare_exchange_strong(seen, del);
+        seen = native_deleter.load(std::memory_order_relaxed);
+      }
+      if (del != seen) {
+        return d;
+      }
+      c10::Device dev = d.device();
+      d.release_context();
+      return c10::DataPtr(p, p, &timed_native_deleter, dev);
+    }
+    DeviceIndex device = c10::cuda::current_device();
+    cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+    c10::DataPtr d = alloc_on(n, device, stream);
+    clock_add(kStitchAlloc, t0);
+    return d;
   }
 
   c10::DeleterFnPtr raw_deleter() const override { return &deleter; }
@@ -1174,8 +1242,13 @@ class StitchAllocator final : public CCA::CUDAAllocator {
 StitchAllocator* instance = nullptr;
 
 void deleter(void* ptr) {
+  bool clocked = clock_on.load(std::memory_order_relaxed);
+  uint64_t t0 = clocked ? clock_now() : 0;
   if (instance != nullptr && !instance->free_ptr(ptr)) {
     TORCH_WARN("stitch-alloc: free of ", ptr, ", which is not a live allocation (ignored)");
+  }
+  if (clocked) {
+    clock_add(kStitchFree, t0);
   }
 }
 
@@ -1204,6 +1277,21 @@ void set_delegate(bool on) {
   instance->set_delegate(on);
 }
 
+void set_alloc_clock(bool on) {
+  TORCH_CHECK(installed(), "stitch-alloc: the extension is not installed");
+  clock_on.store(on);
+}
+
+// {slot: (calls, ns)} since the extension was loaded.
+pybind11::dict alloc_clock() {
+  const char* names[4] = {"stitch_alloc", "stitch_free", "native_alloc", "native_free"};
+  pybind11::dict d;
+  for (int i = 0; i < 4; i++) {
+    d[names[i]] = pybind11::make_tuple(clock_calls[i].load(), clock_ns[i].load());
+  }
+  return d;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1214,4 +1302,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_set_delegate", &set_delegate,
         "Diagnostics: new allocations from torch's own allocator while on (the in-process "
         "speed comparison of scripts/torch-inproc-speed.py; not with graphs, pools or IPC)");
+  m.def("_set_alloc_clock", &set_alloc_clock,
+        "Diagnostics: time each allocate and free of this allocator and of torch's own blocks "
+        "handed out while delegating (single-stream loops only)");
+  m.def("_alloc_clock", &alloc_clock,
+        "Diagnostics: {stitch_alloc, stitch_free, native_alloc, native_free: (calls, ns)}");
 }
