@@ -200,6 +200,36 @@ def counters(stitch_alloc):
             "repeated_stitches": float(st.get("repeated_stitches", 0))}
 
 
+def record(a):
+    """`--record`: each workload's allocations under PyTorch's default allocator, as the
+    rounds replay them, for the simulator."""
+    import torch
+
+    zoo = zoo_module()
+    os.makedirs(a.record, exist_ok=True)
+    for name in a.workloads.split(","):
+        torch.manual_seed(0)
+        torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
+                                                max_entries=2_000_000)
+        step = {**WORKLOADS, **VARIANTS}[name](torch, zoo)
+        for _ in range(2):
+            step()
+        for _ in range(a.rounds):
+            restart(step)
+            for _ in range(2 + a.steps):
+                step()
+            torch.cuda.synchronize()
+        path = os.path.join(a.record, name + ".pickle")
+        torch.cuda.memory._dump_snapshot(path)
+        torch.cuda.memory._record_memory_history(enabled=None)
+        print(f"{name}: {path}, reserved peak {torch.cuda.max_memory_reserved() / 2**30:.3f} GiB, "
+              f"allocated peak {torch.cuda.max_memory_allocated() / 2**30:.3f} GiB", flush=True)
+        del step
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
 def restart(step):
     """Start a varying step's input sequence again (see `Varying`); nothing for the others."""
     getattr(step, "reset", lambda: None)()
@@ -289,10 +319,17 @@ def main():
                    help="after the rounds, N steps per side (twice, alternating) with the "
                         "extension's diagnostic clock on: the time spent inside each "
                         "allocator's allocate and free per step, inside the real step")
+    p.add_argument("--record", default=None, metavar="DIR",
+                   help="instead: PyTorch's default allocator alone, with its memory history "
+                        "on, `--rounds` x (2 + `--steps`) steps of each workload (a varying "
+                        "step's sequence started again each round, as each side's is), each "
+                        "dumped to DIR/<workload>.pickle for `stitch replay`")
     p.add_argument("--conf", default=None,
                    help="stitch-alloc's configuration (STITCH_ALLOC_CONF syntax), e.g. "
                         "prealloc:2400MiB")
     a = p.parse_args()
+    if a.record:
+        return record(a)
     os.environ.setdefault("STITCH_ALLOC_CONF", "backend:cuda,log:error")
     sys.path.insert(0, os.path.join(HERE, "..", "python"))
     import stitch_alloc
