@@ -171,8 +171,9 @@ pub struct Stats {
     /// again in a state it stitched in before, and its large requests were given one run
     /// that only grows.
     pub loop_region_entries: u64,
-    /// Times the loop region was left: a large request it could not serve within 2% above
-    /// the peak of live bytes (shapes changed), a graph-pool allocation, or `empty_cache`.
+    /// Times the loop region was left: a large request it could not serve within its budget
+    /// above the peak of live bytes (2%, doubled at each exit up to 8%; shapes changed), a
+    /// graph-pool allocation, or `empty_cache`.
     pub loop_region_exits: u64,
 }
 
