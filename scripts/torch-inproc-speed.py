@@ -122,29 +122,7 @@ def moe(torch, zoo):
     """The zoo's mixture-of-experts layers (8 experts, top 2, 4 layers, d 1024, bf16 autocast)
     on 8,192 tokens a step whose mean drifts, so the experts' batch sizes change every step
     (the same sequence on both sides)."""
-    nn = torch.nn
-    experts, top_k, d, f = 8, 2, 1024, 4096
-
-    class MoE(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.router = nn.Linear(d, experts)
-            self.w1 = nn.ModuleList(nn.Linear(d, f) for _ in range(experts))
-            self.w2 = nn.ModuleList(nn.Linear(f, d) for _ in range(experts))
-
-        def forward(self, x):
-            weights, chosen = self.router(x).softmax(-1).topk(top_k, dim=-1)
-            out = torch.zeros_like(x)
-            for e in range(experts):
-                rows, slot = (chosen == e).nonzero(as_tuple=True)
-                if rows.numel() == 0:
-                    continue
-                h = self.w2[e](torch.nn.functional.gelu(self.w1[e](x[rows])))
-                out.index_add_(0, rows, h * weights[rows, slot, None])
-            return out
-
-    model = nn.Sequential(*[MoE() for _ in range(4)]).cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, opt, d = zoo.moe_model(torch, 4)
 
     def body(gen, i):
         x = torch.randn(8192, d, device="cuda", generator=gen) + ((i * 0.37) % 2.0 - 1.0)
@@ -230,6 +208,19 @@ def record(a):
         torch.cuda.reset_peak_memory_stats()
 
 
+def warm_sides(torch, ext, step):
+    """Each side twice, alternating (default first, then stitch-alloc first), each after its
+    input sequence restarted and two untimed steps: yields the side, delegation set."""
+    for order in (("default", "stitch"), ("stitch", "default")):
+        for side in order:
+            ext._set_delegate(side == "default")
+            restart(step)
+            for _ in range(2):
+                step()
+            torch.cuda.synchronize()
+            yield side
+
+
 def restart(step):
     """Start a varying step's input sequence again (see `Varying`); nothing for the others."""
     getattr(step, "reset", lambda: None)()
@@ -244,22 +235,16 @@ def profile_sides(torch, ext, step, n):
     per = {"default": {}, "stitch": {}}
     total = {"default": [], "stitch": []}
     count = {"default": [], "stitch": []}
-    for order in (("default", "stitch"), ("stitch", "default")):
-        for side in order:
-            ext._set_delegate(side == "default")
-            restart(step)
-            for _ in range(2):
+    for side in warm_sides(torch, ext, step):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(n):
                 step()
             torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                for _ in range(n):
-                    step()
-                torch.cuda.synchronize()
-            kern = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-            total[side].append(sum(e.time_range.elapsed_us() for e in kern) / n)
-            count[side].append(len(kern) / n)
-            for e in kern:
-                per[side][e.name] = per[side].get(e.name, 0.0) + e.time_range.elapsed_us() / (2 * n)
+        kern = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        total[side].append(sum(e.time_range.elapsed_us() for e in kern) / n)
+        count[side].append(len(kern) / n)
+        for e in kern:
+            per[side][e.name] = per[side].get(e.name, 0.0) + e.time_range.elapsed_us() / (2 * n)
     ext._set_delegate(False)
     names = set(per["default"]) | set(per["stitch"])
     diff = sorted(names, key=lambda k: -abs(per["stitch"].get(k, 0) - per["default"].get(k, 0)))
@@ -274,26 +259,20 @@ def clock_sides(torch, ext, stitch_alloc, step, n):
     extension's layer included), the calls, and on stitch-alloc's side the C ABI's own
     malloc + free time (its sampled clock) for the same steps."""
     out = {"default": [], "stitch": []}
-    for order in (("default", "stitch"), ("stitch", "default")):
-        for side in order:
-            ext._set_delegate(side == "default")
-            restart(step)
-            for _ in range(2):
-                step()
-            torch.cuda.synchronize()
-            c0, k0 = ext._alloc_clock(), counters(stitch_alloc)
-            ext._set_alloc_clock(True)
-            for _ in range(n):
-                step()
-            ext._set_alloc_clock(False)
-            torch.cuda.synchronize()
-            c1, k1 = ext._alloc_clock(), counters(stitch_alloc)
-            pre = "stitch" if side == "stitch" else "native"
-            d = {f: [(c1[f"{pre}_{f}"][i] - c0[f"{pre}_{f}"][i]) / n for i in (0, 1)]
-                 for f in ("alloc", "free")}
-            out[side].append({"alloc_calls": d["alloc"][0], "alloc_us": d["alloc"][1] / 1e3,
-                              "free_calls": d["free"][0], "free_us": d["free"][1] / 1e3,
-                              "c_abi_us": (k1["api_us"] - k0["api_us"]) / n})
+    for side in warm_sides(torch, ext, step):
+        c0, k0 = ext._alloc_clock(), counters(stitch_alloc)
+        ext._set_alloc_clock(True)
+        for _ in range(n):
+            step()
+        ext._set_alloc_clock(False)
+        torch.cuda.synchronize()
+        c1, k1 = ext._alloc_clock(), counters(stitch_alloc)
+        pre = "stitch" if side == "stitch" else "native"
+        d = {f: [(c1[f"{pre}_{f}"][i] - c0[f"{pre}_{f}"][i]) / n for i in (0, 1)]
+             for f in ("alloc", "free")}
+        out[side].append({"alloc_calls": d["alloc"][0], "alloc_us": d["alloc"][1] / 1e3,
+                          "free_calls": d["free"][0], "free_us": d["free"][1] / 1e3,
+                          "c_abi_us": (k1["api_us"] - k0["api_us"]) / n})
     ext._set_delegate(False)
     return out
 

@@ -319,7 +319,9 @@ def w_lightning(torch, rng, quick):
     return {"steps": steps, "_keep": module}
 
 
-def w_moe(torch, rng, quick):
+def moe_model(torch, layers):
+    """`layers` mixture-of-experts layers (8 experts, top 2, d 1024, f 4096) on the GPU, their
+    AdamW, and d."""
     nn = torch.nn
     experts, top_k, d, f = 8, 2, 1024, 4096
 
@@ -341,8 +343,12 @@ def w_moe(torch, rng, quick):
                 out.index_add_(0, rows, h * weights[rows, slot, None])
             return out
 
-    model = nn.Sequential(*[MoE() for _ in range(2 if quick else 4)]).cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model = nn.Sequential(*[MoE() for _ in range(layers)]).cuda()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4), d
+
+
+def w_moe(torch, rng, quick):
+    model, opt, d = moe_model(torch, 2 if quick else 4)
     losses = []
     for _ in range(4 if quick else 20):
         tokens = rng.randint(1024, 16384)
