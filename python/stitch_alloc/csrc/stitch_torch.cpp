@@ -241,9 +241,13 @@ class StitchAllocator final : public CCA::CUDAAllocator {
     if (delegate_.load(std::memory_order_relaxed)) {
       return native_->allocate(n);
     }
+    return alloc_current(n);
+  }
+
+  // This allocator's block for `n` bytes on the current device and its current stream.
+  c10::DataPtr alloc_current(size_t n) {
     DeviceIndex device = c10::cuda::current_device();
-    cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
-    return alloc_on(n, device, stream);
+    return alloc_on(n, device, c10::cuda::getCurrentCUDAStream(device).stream());
   }
 
   // `allocate` while the diagnostic clock runs. A delegated block whose context is its
@@ -260,9 +264,9 @@ class StitchAllocator final : public CCA::CUDAAllocator {
       }
       c10::DeleterFnPtr del = d.get_deleter();
       c10::DeleterFnPtr seen = native_deleter.load(std::memory_order_relaxed);
-      if (seen == nullptr) {
-        native_deleter.compare_exchange_strong(seen, del);
-        seen = native_deleter.load(std::memory_order_relaxed);
+      // The first delegated block names torch's deleter (a failed exchange loads the winner's).
+      if (seen == nullptr && native_deleter.compare_exchange_strong(seen, del)) {
+        seen = del;
       }
       if (del != seen) {
         return d;
@@ -271,9 +275,7 @@ class StitchAllocator final : public CCA::CUDAAllocator {
       d.release_context();
       return c10::DataPtr(p, p, &timed_native_deleter, dev);
     }
-    DeviceIndex device = c10::cuda::current_device();
-    cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
-    c10::DataPtr d = alloc_on(n, device, stream);
+    c10::DataPtr d = alloc_current(n);
     clock_add(kStitchAlloc, t0);
     return d;
   }
