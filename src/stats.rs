@@ -172,7 +172,7 @@ pub struct Stats {
     /// that only grows.
     pub loop_region_entries: u64,
     /// Times the loop region was left: a large request it could not serve within its budget
-    /// above the peak of live bytes (2%, doubled at each exit up to 8%; shapes changed), a
+    /// above the peak of live bytes (2%, up to 8%; shapes changed, or the loop needs more), a
     /// graph-pool allocation, or `empty_cache`.
     pub loop_region_exits: u64,
 }

@@ -1511,6 +1511,28 @@ fn the_loop_region_settles_a_loop_whose_shapes_drift_in_a_cycle() {
     }
 }
 
+/// A sampling loop whose shapes change per request (`tests/data/unet-denoise.trace.gz`: the
+/// first 60% of the unet-denoise holdout of `scripts/torch-zoo.py`, 20 guided UNet steps per
+/// request at a new latent size and batch, recorded under PyTorch's default on an H200,
+/// 2026-12-07) keeps running out of the loop region's 2% budget for a request of 19% of its
+/// peak. Doubling the budget at each such exit (caec488) gave it 8% it could not settle with:
+/// 1.054-1.063 through torch (2026-12-07) where it held 1.014 before, and 1.060-1.077 here at
+/// lags 0-100. The budget now doubles only for a need the doubled budget holds; the ratio
+/// (the replay's, from the trace) stays within 2% of the peak of live bytes.
+#[test]
+fn the_loop_region_budget_is_not_raised_for_a_need_it_cannot_hold() {
+    let t = read("unet-denoise.trace.gz").unwrap();
+    for lag in [0, 3, 100, 1000] {
+        let (r, _, stats) = metered_replay_with(&t, Config::default(), lag);
+        assert_eq!(r.failed_allocs, 0, "lag {lag}");
+        assert!(
+            stats.loop_region_exits >= 1,
+            "lag {lag}: never left the region"
+        );
+        assert!(r.ratio <= 1.02, "lag {lag}: ratio {}", r.ratio);
+    }
+}
+
 /// A workload whose shapes recur in blocks (bert-encode: about ten batches of one shape,
 /// then the next, so its stitches repeat in streaks of 8-10) enters the loop region and
 /// leaves it when the shape changes; it must not pay for it in memory. Its peak with the

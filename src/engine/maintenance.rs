@@ -16,7 +16,7 @@ impl Engine {
         self.poll(d, false)?;
         self.retry_quarantine(d);
         // Every free handle goes back, the loop region's too: the mode ends.
-        self.leave_region();
+        self.leave_region(super::region::Fit::Elsewhere);
         let cands = stitch_candidates(&self.arena, &self.handles, None, false);
         let released = self.release_candidates(d, cands)?;
         tracing::debug!(released, "empty_cache");

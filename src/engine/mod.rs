@@ -438,13 +438,15 @@ impl Engine {
         stream: Stream,
     ) -> Result<Grow> {
         let mut plan = self.plan(pool, rsize, stream);
-        if self.region.range.is_some()
-            && pool == Pool::Large
-            && !self.region_plan_fits(&plan, rsize)
-        {
+        let fit = if self.region.range.is_some() && pool == Pool::Large {
+            self.region_plan_fits(&plan, rsize)
+        } else {
+            region::Fit::Fits
+        };
+        if fit != region::Fit::Fits {
             // Shapes changed, or the loop needs more than the region may grow: back to the
             // usual policy, with every free byte visible again.
-            self.leave_region();
+            self.leave_region(fit);
             tracing::debug!(rsize, "loop region: left");
             plan = self.plan(pool, rsize, stream);
         }
@@ -583,7 +585,7 @@ impl Engine {
         self.stats.slow_allocs += 1;
         // A graph pool's allocations are not the loop's: the usual policy, every free byte
         // visible.
-        self.leave_region();
+        self.leave_region(region::Fit::Elsewhere);
         let plan = self.plan_for(pool, rsize, None);
         let grown = self.apply(d, plan)?;
         let found = self.arena.find_exhaustive(rsize, pool, None);
