@@ -42,9 +42,9 @@ use super::Engine;
 pub(crate) const GROWTH: f64 = 0.02;
 
 /// The most [`LoopRegion::growth`] reaches: [`GROWTH`] doubles when the mode ends for want of
-/// budget ([`Fit::OverBudget`]) until it holds what the plan needed, up to this. A loop whose shapes drift in a cycle (the mixture of experts of
-/// `scripts/torch-inproc-speed.py --workloads moe`: expert batches that change every step and
-/// repeat every twelve) needs about 5% above its peak to settle: at 2% it leaves the region
+/// budget ([`Fit::OverBudget`]) until it holds what the plan needed, up to this. A loop whose
+/// shapes drift in a cycle (the mixture of experts of `scripts/torch-inproc-speed.py
+/// --workloads moe`: expert batches that change every step and repeat every twelve) needs about 5% above its peak to settle: at 2% it leaves the region
 /// and stitches again in every step (through torch, run 145: 5.8 slow allocations and 10.8 ms
 /// of driver time a step, 0.79 of PyTorch's speed). Measured (simulator, its snapshot of run
 /// 146, design/zoo.md "Thirty-first session"): a fixed 4% leaves it stitching; doubling up to
