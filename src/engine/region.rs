@@ -43,17 +43,17 @@ pub(crate) const GROWTH: f64 = 0.02;
 
 /// The most [`LoopRegion::growth`] reaches: [`GROWTH`] doubles when the mode ends for want of
 /// budget ([`Fit::OverBudget`]) until it holds what the plan needed, up to this. A loop whose
-/// shapes drift in a cycle (the mixture of experts of `scripts/torch-inproc-speed.py
-/// --workloads moe`: expert batches that change every step and repeat every twelve) needs about 5% above its peak to settle: at 2% it leaves the region
-/// and stitches again in every step (through torch, run 145: 5.8 slow allocations and 10.8 ms
-/// of driver time a step, 0.79 of PyTorch's speed). Measured (simulator, its snapshot of run
-/// 146, design/zoo.md "Thirty-first session"): a fixed 4% leaves it stitching; doubling up to
-/// 8% settles it by the middle of the trace at 1.052-1.054 (from 1.017-1.020) for half the
-/// driver time, at lags 0, 3 and 1000; the zoo, the shipped traces and `gen llm` / `gen serve`
-/// are unchanged to four decimals. Doubling at every end (caec488) also raised the budget of a
-/// sampling loop whose request of 19% of its peak no budget holds (unet-denoise, through torch
-/// 1.014 -> 1.054-1.063); only a need this maximum holds raises it now, and an end because
-/// shapes changed never does ("Thirty-second session").
+/// shapes drift in a cycle (the mixture of experts of `scripts/torch-inproc-speed.py --workloads
+/// moe`: expert batches that change every step and repeat every twelve) needs about 5% above its
+/// peak to settle: at 2% it leaves the region and stitches again in every step (through torch, run
+/// 145: 5.8 slow allocations and 10.8 ms of driver time a step, 0.79 of PyTorch's speed). Measured
+/// (simulator, its snapshot of run 146, design/zoo.md "Thirty-first session"): a fixed 4% leaves it
+/// stitching; doubling up to 8% settles it by the middle of the trace at 1.052-1.054 (from
+/// 1.017-1.020) for half the driver time, at lags 0, 3 and 1000; the zoo, the shipped traces and
+/// `gen llm` / `gen serve` are unchanged to four decimals. Doubling at every end (caec488) also
+/// raised the budget of a sampling loop whose request of 19% of its peak no budget holds
+/// (unet-denoise, through torch 1.014 -> 1.054-1.063); only a need this maximum holds raises it
+/// now, and an end because shapes changed never does ("Thirty-second session").
 pub(crate) const MAX_GROWTH: f64 = 0.08;
 
 /// After the mode ends for the k-th time, entering again waits for `BACKOFF^k` repeated
