@@ -169,14 +169,14 @@ pub struct Config {
     /// `Stats::preallocated`; at most the capacity.
     #[serde(deserialize_with = "de_size")]
     pub prealloc: u64,
-    /// The loop region (default on): once a loop stitches again in a state it stitched in
-    /// before (same request, same live bytes), its large requests are placed in one run that
-    /// only grows, within 2% above the peak of live bytes (raised by doubling, up to 8%, when
-    /// the mode ends for want of budget and 8% holds what was needed), so that a loop stops
-    /// remapping memory every step; the mode ends by itself when shapes change
-    /// (`engine/region.rs`, design/zoo.md "Fifteenth session": the batch-2 training loop settles for 0-0.4% more memory; "Thirty-first session": a loop whose
-    /// shapes drift in a twelve-step cycle settles at 1.05). Off: such a loop keeps
-    /// stitching, and [`Config::prealloc`] is the remedy.
+    /// The loop region (default on): once a loop stitches again in a state it stitched in before
+    /// (same request, same live bytes), its large requests are placed in one run that only grows,
+    /// within 2% above the peak of live bytes (raised by doubling, up to 8%, when the mode ends for
+    /// want of budget and 8% holds what was needed), so that a loop stops remapping memory every
+    /// step; the mode ends by itself when shapes change (`engine/region.rs`, design/zoo.md
+    /// "Fifteenth session": the batch-2 training loop settles for 0-0.4% more memory; "Thirty-first
+    /// session": a loop whose shapes drift in a twelve-step cycle settles at 1.05). Off: such a
+    /// loop keeps stitching, and [`Config::prealloc`] is the remedy.
     #[serde(deserialize_with = "de_flag")]
     pub loop_region: bool,
     /// Growing chains placed by next fit (default on): a large request up to 64 KiB larger
