@@ -22,8 +22,9 @@ batch 2 and 32, on request), ``bert-encode`` (BERT-base fp16
 inference; batch 32 x 256), ``resnet50-amp`` and ``vit-amp`` (timm training with AMP, SGD;
 batch 64 and 32 of 224^2 images); on request ``lora`` (peft LoRA on a Llama 8x1024, batch
 4 x 512), ``moe`` (the zoo's mixture of experts, expert batches changing every step in a
-sequence both sides repeat) and ``hf-generate`` (``generate``, batch 8, 128 + 32 tokens). The model and the optimizer state are allocated once, by
-stitch-alloc, before the first round. Prints one ``RESULT {json}`` line and a table.
+sequence both sides repeat) and ``hf-generate`` (``generate``, batch 8, 128 + 32 tokens).
+The model and the optimizer state are allocated once, by stitch-alloc, before the first
+round. Prints one ``RESULT {json}`` line and a table.
 """
 import argparse
 import json

@@ -367,9 +367,9 @@ def test_repeated_stitches_show_a_loop_stitching_every_step(libpath):
     (same request, same live bytes, same peak). A pool that holds the step without moving
     memory (24 MiB: a checkerboard needs 1.5 x its peak) ends them, and the driver calls.
     The loop region (on by default) cannot settle this step within its budget (2% of the
-    16 MiB peak, doubled at each exit up to 8%: under one 2 MiB granule): it is entered and
-    left, with waits that double, and the step goes on stitching; the exact counts are
-    checked with it off."""
+    16 MiB peak, raised by doubling up to 8% when that holds the need: under one 2 MiB
+    granule): it is entered and left, with waits that double, and the step goes on
+    stitching; the exact counts are checked with it off."""
     step = (
         "    xs = [lib.stitch_malloc(4 * M, 0, None) for _ in range(4)]\n"
         "    assert all(xs)\n"
