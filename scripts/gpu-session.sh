@@ -27,6 +27,13 @@
 #                                        # (timm, Lightning, transformers generate/Trainer, peft,
 #                                        # torch.compile) under default and stitch-alloc, results
 #                                        # compared, memory side by side
+#   bash scripts/gpu-session.sh verify   # after an engine change, in one call of under 600 s:
+#                                        # the loop-region workloads in one process against PyTorch
+#                                        # default (moe, bert-encode), then the whole zoo and every
+#                                        # holdout once under stitch-alloc with unet-denoise and
+#                                        # llm-train-l three times (memory); the suite is a second
+#                                        # call, the holdout histories (`zoo --configs default
+#                                        # --workloads holdout,holdout2,holdout3,holdout4`) a third
 # Logs and results go to $OUT (or ./gpu-logs), packed into one tarball plus a summary.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -191,8 +198,30 @@ clients)
         timeout "${CLIENTS_TIMEOUT:-580}" python3 scripts/torch-clients.py --out "$out/torch-clients.json" \
         "${@:2}" 2>&1 | tee "$out/torch-clients.txt" | tail -60
     ;;
+verify)
+    # Carry only .gpu/libstitch_alloc.so and .gpu/COMMIT for this mode. About 200 s + 330 s.
+    export STITCH_ALLOC_LIB=$(pwd)/.gpu/libstitch_alloc.so PYTHONUNBUFFERED=1
+    echo "library of $(cat .gpu/COMMIT 2>/dev/null || echo '?'); $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null)"
+    timeout "${VERIFY_SPEED_TIMEOUT:-220}" python3 scripts/torch-inproc-speed.py --lib "$STITCH_ALLOC_LIB" \
+        --workloads "${VERIFY_SPEED:-moe,bert-encode}" --rounds 12 --steps 10 --alloc-clock 3 \
+        >"$out/verify-speed.txt" 2>&1
+    echo "speed exit $?"
+    tail -30 "$out/verify-speed.txt"
+    for pass in all repeat; do
+        if [ "$pass" = all ]; then
+            w=zoo,holdout,holdout2,holdout3,holdout4 r=1 t=${VERIFY_ZOO_TIMEOUT:-210}
+        else
+            w=${VERIFY_REPEAT:-unet-denoise,llm-train-l} r=2 t=${VERIFY_REPEAT_TIMEOUT:-120}
+        fi
+        timeout "$t" python3 scripts/torch-zoo.py --configs stitch --jobs 4 --repeat "$r" \
+            --timeout $((t - 10)) --workloads "$w" --out "$out/verify-$pass" \
+            >"$out/verify-$pass.txt" 2>&1
+        echo "zoo ($pass) exit $?"
+        grep -E "ratio=|Error" "$out/verify-$pass.txt" | tail -40
+    done
+    ;;
 *)
-    echo "usage: $0 build|suite|torch|zoo|throughput|ab|soak|wait|dropin|clients" >&2
+    echo "usage: $0 build|suite|torch|zoo|throughput|ab|soak|wait|dropin|clients|verify" >&2
     exit 2
     ;;
 esac
