@@ -32,8 +32,11 @@
 #                                        # default (moe, bert-encode), then the whole zoo and every
 #                                        # holdout once under stitch-alloc with unet-denoise and
 #                                        # llm-train-l three times (memory); the suite is a second
-#                                        # call, the holdout histories (`zoo --configs default
-#                                        # --workloads holdout,holdout2,holdout3,holdout4`) a third
+#                                        # call; a third records PyTorch default's histories of
+#                                        # every holdout (`zoo --configs default --workloads
+#                                        # holdout,holdout2,holdout3,holdout4`) and runs the fifth
+#                                        # set under all three allocators (`zoo --workloads
+#                                        # holdout5`)
 # Logs and results go to $OUT (or ./gpu-logs), packed into one tarball plus a summary.
 set -uo pipefail
 cd "$(dirname "$0")/.."

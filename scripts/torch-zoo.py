@@ -30,10 +30,13 @@ policy: kinds the zoo lacks, to check that its figures carry over):
 * ``convnext-res``     timm ConvNeXt-T channels-last AMP training, resolution 128-288 per step
 * ``gpt2-accum``       GPT-2 12 x 768 training, 4 micro-batches of varying length per step
 
-and in later sets (``holdout2`` .. ``holdout4``, each written after the policy of its day was
+and in later sets (``holdout2`` .. ``holdout5``, each written after the policy of its day was
 fixed): ``unet-denoise``, ``static-generate``, ``side-stream``, ``gnn``; ``fsdp``, ``ddp``;
 ``serve-gqa`` (the serving loop on a Llama with grouped-query attention, 32 heads over 8 K/V
-heads at hidden 4096).
+heads at hidden 4096); ``spec-decode`` (speculative decoding: a draft and a target model,
+two KV caches per request cut back after each check), ``rl-rollout`` (an RL fine-tuning
+loop: rollouts by ``generate``, a frozen reference model, a policy step, in turn),
+``clip-contrastive`` (two-tower contrastive training at batches of 32-256).
 
 Output (``--out DIR``): ``zoo.json`` (every run's figures), ``zoo.md`` (the table), and,
 with ``--record``, ``DIR/snapshots/<workload>.pickle.gz`` recorded under PyTorch's default,
@@ -69,6 +72,10 @@ PYDIR = os.path.join(REPO, "python")
 sys.path.insert(0, HERE)
 from torchcases import bundle_commit  # noqa: E402
 
+# Where the workloads' tensors go: always "cuda" in a run; a CPU smoke test of a workload's
+# code may set it to "cpu" (the allocator figures then mean nothing).
+DEVICE = "cuda"
+
 CONFIGS = {
     "default": {"label": "PyTorch default", "alloc_conf": None, "stitch": False},
     "expandable": {"label": "expandable_segments", "alloc_conf": "expandable_segments:True",
@@ -95,7 +102,7 @@ def _llama(torch, layers, hidden, dtype, vocab=32000, kv_groups=1):
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device("cuda"):
+        with torch.device(DEVICE):
             return LlamaForCausalLM(cfg)
     finally:
         torch.set_default_dtype(prev)
@@ -743,6 +750,136 @@ def w_serve_gqa(torch, rng, quick):
     return _serve_loop(torch, rng, quick, model, 8 if quick else 40, 128)
 
 
+# The fifth holdout set (thirty-third session, 2026-12-07, written after the policy of
+# e403750 was fixed and never used to tune it): `--workloads holdout5`.
+
+def _crop(cache, length):
+    """Cut a ``DynamicCache`` back to its first ``length`` tokens. A negative argument to
+    ``crop`` removes that many tokens in every transformers version at hand (4.x and 5.x
+    read a positive one differently: a length to keep, or an error)."""
+    remove = cache.get_seq_length() - length
+    if remove > 0:
+        cache.crop(-remove)
+
+
+def w_spec_decode(torch, rng, quick):
+    """Speculative decoding: a 2 x 512 draft Llama proposes 4 tokens a round with its own
+    ``DynamicCache``, a 4 x 2048 bf16 target checks them in one forward, a random number of
+    them is accepted and both caches are cut back to the accepted length. Requests of batch
+    1-8, prompts of 32-768 tokens and 32-160 new tokens, one after another: two KV caches
+    per request that grow by concatenation and shrink by slicing."""
+    from transformers import DynamicCache
+
+    draft = _llama(torch, 2, 512, torch.bfloat16).eval()
+    target = _llama(torch, 2 if quick else 4, 2048, torch.bfloat16).eval()
+    k, tokens, rounds = 4, 0, 0
+    with torch.inference_mode():
+        for _ in range(3 if quick else 16):
+            b = rng.choice([1, 2, 4, 8])
+            p, n = rng.randint(32, 768), rng.randint(32, 48 if quick else 160)
+            ids = torch.randint(3, 32000, (b, p), device=DEVICE)
+            dc, tc = DynamicCache(), DynamicCache()
+            nxt = target(input_ids=ids, past_key_values=tc, use_cache=True).logits[:, -1:].argmax(-1)
+            draft(input_ids=ids, past_key_values=dc, use_cache=True)
+            length, feed, made = p, nxt, 0
+            while made < n:
+                prop, x = [nxt], feed
+                for _ in range(k):
+                    x = draft(input_ids=x, past_key_values=dc, use_cache=True).logits[:, -1:].argmax(-1)
+                    prop.append(x)
+                cand = torch.cat(prop, dim=1)
+                verdict = target(input_ids=cand, past_key_values=tc, use_cache=True).logits.argmax(-1)
+                a = rng.randint(0, k)
+                length += 1 + a
+                _crop(tc, length)
+                if dc.get_seq_length() > length:
+                    _crop(dc, length)
+                nxt = verdict[:, a:a + 1]
+                # The draft has not seen its last proposal when all k were accepted.
+                feed = torch.cat([cand[:, k:], nxt], dim=1) if a == k else nxt
+                made += 1 + a
+                tokens += (1 + a) * b
+                rounds += 1
+                del cand, verdict, prop
+            del dc, tc, ids
+    return {"tokens": tokens, "rounds": rounds, "_keep": (draft, target)}
+
+
+def w_rl_rollout(torch, rng, quick):
+    """An RL fine-tuning loop in one process, as GRPO and PPO trainers run one: each
+    iteration samples rollouts from the policy (``generate``, batch 8-32, prompts of 64-384
+    tokens, 32-192 new ones), scores them with a frozen bf16 reference model (a no-grad
+    forward, per-token log-probabilities over the whole vocabulary), then takes a training
+    step of the policy on them (bf16 autocast, AdamW, a KL term): generation's KV caches
+    and training's logits, activations and gradients take turns in one pool."""
+    layers = 2 if quick else 6
+    policy, opt = llm_model(torch, layers, 1024)
+    policy.generation_config.eos_token_id = None
+    policy.generation_config.pad_token_id = 0
+    ref = _llama(torch, layers, 1024, torch.bfloat16).eval()
+    losses = []
+    for _ in range(2 if quick else 8):
+        b, p = rng.choice([8, 16, 24, 32]), rng.randint(64, 384)
+        n = rng.randint(32, 48 if quick else 192)
+        ids = torch.randint(3, 32000, (b, p), device=DEVICE)
+        policy.eval()
+        policy.config.use_cache = True
+        with torch.inference_mode(), torch.autocast(DEVICE, dtype=torch.bfloat16):
+            seq = policy.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                  max_new_tokens=n, do_sample=True, top_k=50, use_cache=True)
+        seq = seq.clone()
+        target = seq[:, 1:].unsqueeze(-1)
+        with torch.no_grad():
+            ref_tok = ref(input_ids=seq).logits[:, :-1].float().log_softmax(-1).gather(-1, target)
+        policy.train()
+        policy.config.use_cache = False
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            logits = policy(input_ids=seq).logits[:, :-1]
+        tok = logits.float().log_softmax(-1).gather(-1, target)
+        adv = torch.randn(b, 1, 1, device=DEVICE)
+        loss = -(adv * tok)[:, p - 1:].mean() + 0.05 * (tok - ref_tok).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(round(loss.detach().item(), 4))
+        del ids, seq, target, ref_tok, logits, tok, adv, loss
+    return {"losses": losses, "_keep": (policy, opt, ref)}
+
+
+def w_clip_contrastive(torch, rng, quick):
+    """Two-tower contrastive training (CLIP) from a config: a 12 x 768 ViT-B/32 image
+    tower and a 12 x 512 text tower, a batch of 32-256 image-text pairs per step (the B x B
+    similarity matrix and every activation change with it), captions of 16-77 tokens, bf16
+    autocast, AdamW."""
+    from transformers import CLIPConfig, CLIPModel
+
+    layers = 2 if quick else 12
+    cfg = CLIPConfig(
+        text_config={"hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": layers,
+                     "num_attention_heads": 8, "max_position_embeddings": 77,
+                     "vocab_size": 49408},
+        vision_config={"hidden_size": 768, "intermediate_size": 3072,
+                       "num_hidden_layers": layers, "num_attention_heads": 12,
+                       "image_size": 224, "patch_size": 32},
+        projection_dim=512)
+    model = CLIPModel(cfg).to(DEVICE).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    losses = []
+    for _ in range(3 if quick else 24):
+        b = rng.choice([8, 16] if quick else [32, 64, 96, 128, 192, 256])
+        t = rng.randint(16, 77)
+        pixels = torch.randn(b, 3, 224, 224, device=DEVICE)
+        ids = torch.randint(0, 49408, (b, t), device=DEVICE)
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            out = model(input_ids=ids, pixel_values=pixels, return_loss=True)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(round(out.loss.detach().item(), 4))
+        del out, pixels, ids
+    return {"losses": losses, "_keep": (model, opt)}
+
+
 WORKLOADS = {
     "llm-train-s": (w_llm_train_s, "training"),
     "llm-train-ckpt": (w_llm_train_ckpt, "training"),
@@ -758,7 +895,7 @@ WORKLOADS = {
 }
 # The zoo: what the policy was measured and tuned on (the default `--workloads`).
 ZOO = list(WORKLOADS)
-# Holdout workloads by set (`--workloads holdout`, `holdout2` .. `holdout4`): kinds the zoo
+# Holdout workloads by set (`--workloads holdout`, `holdout2` .. `holdout5`): kinds the zoo
 # does not have, each set written after the policy of its day was fixed.
 HOLDOUTS = {
     "holdout": {
@@ -780,6 +917,12 @@ HOLDOUTS = {
     # Written in the twenty-fourth session (2026-12-06), after that day's policy was fixed.
     "holdout4": {
         "serve-gqa": (w_serve_gqa, "inference"),
+    },
+    # Written in the thirty-third session (2026-12-07), after e403750's policy was fixed.
+    "holdout5": {
+        "spec-decode": (w_spec_decode, "inference"),
+        "rl-rollout": (w_rl_rollout, "training"),
+        "clip-contrastive": (w_clip_contrastive, "training"),
     },
 }
 for _set in HOLDOUTS.values():
@@ -1139,7 +1282,7 @@ def speed_interval(ref, runs, resamples=4000):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workloads", default=",".join(ZOO),
-                   help="comma-separated names; `zoo` (the default) and `holdout` .. `holdout4` "
+                   help="comma-separated names; `zoo` (the default) and `holdout` .. `holdout5` "
                         "name the five sets")
     p.add_argument("--configs", default="default,expandable,stitch")
     p.add_argument("--out", default="zoo")
