@@ -32,11 +32,10 @@
 #                                        # default (moe, bert-encode), then the whole zoo and every
 #                                        # holdout once under stitch-alloc with unet-denoise and
 #                                        # llm-train-l three times (memory); the suite is a second
-#                                        # call; a third records PyTorch default's histories of
-#                                        # every holdout (`zoo --configs default --workloads
-#                                        # holdout,holdout2,holdout3,holdout4`) and runs the fifth
-#                                        # set under all three allocators (`zoo --workloads
-#                                        # holdout5`)
+#                                        # call, `dropin` and `zoo --workloads holdout5` a third,
+#                                        # `zoo --configs default --workloads holdout,holdout2,
+#                                        # holdout3,holdout4` (the holdout histories) a fourth
+#                                        # (design/zoo.md, "Thirty-third session")
 # Logs and results go to $OUT (or ./gpu-logs), packed into one tarball plus a summary.
 set -uo pipefail
 cd "$(dirname "$0")/.."
