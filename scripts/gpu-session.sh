@@ -28,8 +28,9 @@
 #                                        # torch.compile) under default and stitch-alloc, results
 #                                        # compared, memory side by side
 #   bash scripts/gpu-session.sh verify   # after an engine change, in one call of under 600 s:
-#                                        # the loop-region workloads in one process against PyTorch
-#                                        # default (moe, bert-encode), then the whole zoo and every
+#                                        # step times in one process against PyTorch default (moe:
+#                                        # the loop region; bert-encode: the pair's cost in the
+#                                        # step), then the whole zoo and every
 #                                        # holdout once under stitch-alloc with unet-denoise and
 #                                        # llm-train-l three times (memory); the suite is a second
 #                                        # call, `dropin` and `zoo --workloads holdout5` a third,
