@@ -72,8 +72,9 @@ PYDIR = os.path.join(REPO, "python")
 sys.path.insert(0, HERE)
 from torchcases import bundle_commit  # noqa: E402
 
-# Where the workloads' tensors go: always "cuda" in a run; a CPU smoke test of a workload's
-# code may set it to "cpu" (the allocator figures then mean nothing).
+# Where the workloads' tensors go: always "cuda" in a run; scripts/cpu-record.py sets it to
+# "cpu" to record a workload's allocation sequence without a GPU (this script's allocator
+# figures then mean nothing).
 DEVICE = "cuda"
 
 CONFIGS = {
@@ -86,6 +87,12 @@ CONFIGS = {
 # ---------------------------------------------------------------------------------------
 # Workloads. Each takes (torch, rng, quick) and returns a dict of workload facts; the
 # allocator figures are read by the caller. `rng` is a random.Random seeded per workload.
+
+
+def _sync(torch):
+    """Wait for the device (a no-op when the workload runs on the CPU)."""
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 def _llama(torch, layers, hidden, dtype, vocab=32000, kv_groups=1):
@@ -132,7 +139,7 @@ def llm_model(torch, layers, hidden, ckpt=False):
 
 def llm_step(torch, model, opt, ids):
     """One bf16-autocast training step on token ids `ids`; returns the model's output."""
-    with torch.autocast("cuda", dtype=torch.bfloat16):
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
         out = model(input_ids=ids, labels=ids)
     out.loss.backward()
     opt.step()
@@ -146,7 +153,7 @@ def _train_llm(torch, rng, steps, layers, hidden, max_batch, max_seq, ckpt=False
     for _ in range(steps):
         t0 = time.perf_counter()
         b, s = rng.randint(1, max_batch), rng.randint(64, max_seq)
-        ids = torch.randint(3, 32000, (b, s), device="cuda")
+        ids = torch.randint(3, 32000, (b, s), device=DEVICE)
         out = llm_step(torch, model, opt, ids)
         losses.append(round(out.loss.detach().float().item(), 4))  # synchronises
         step_seconds.append(time.perf_counter() - t0)
@@ -182,7 +189,7 @@ def _generate(torch, rng, layers, rounds, batches, max_prompt, max_new, **gen_ar
         for _ in range(rounds):
             b = rng.choice(batches)
             p, n = rng.randint(16, max_prompt), rng.randint(16, max_new)
-            ids = torch.randint(3, 32000, (b, p), device="cuda")
+            ids = torch.randint(3, 32000, (b, p), device=DEVICE)
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                                  max_new_tokens=n, do_sample=False, use_cache=True,
                                  **gen_args)
@@ -207,7 +214,7 @@ def w_lora(torch, rng, quick):
     losses = []
     for _ in range(4 if quick else 16):
         b, s = rng.randint(1, 16), rng.randint(64, 1536)
-        ids = torch.randint(3, 32000, (b, s), device="cuda")
+        ids = torch.randint(3, 32000, (b, s), device=DEVICE)
         out = model(input_ids=ids, labels=ids)
         out.loss.backward()
         opt.step()
@@ -223,7 +230,7 @@ def bert_model(torch, layers):
 
     cfg = BertConfig(num_hidden_layers=layers, hidden_size=768,
                      num_attention_heads=12, intermediate_size=3072, max_position_embeddings=512)
-    with torch.device("cuda"):
+    with torch.device(DEVICE):
         return BertModel(cfg).half().eval(), cfg
 
 
@@ -234,11 +241,11 @@ def w_bert_encode(torch, rng, quick):
         for _ in range(8 if quick else 40):
             t0 = time.perf_counter()
             b, s = rng.randint(1, 64), rng.randint(16, 512)
-            ids = torch.randint(100, cfg.vocab_size, (b, s), device="cuda")
+            ids = torch.randint(100, cfg.vocab_size, (b, s), device=DEVICE)
             out = model(input_ids=ids, attention_mask=torch.ones_like(ids))
             emb = out.last_hidden_state.mean(dim=1)  # sentence embeddings, as sbert pools
             n += emb.shape[0]
-            torch.cuda.synchronize()
+            _sync(torch)
             step_seconds.append(time.perf_counter() - t0)
             d_us, a_us = abi_times()
             step_driver.append(d_us)
@@ -254,14 +261,14 @@ def timm_model(torch, name):
     import timm
 
     torch.backends.cudnn.benchmark = False
-    model = timm.create_model(name, pretrained=False, num_classes=1000).cuda().train()
+    model = timm.create_model(name, pretrained=False, num_classes=1000).to(DEVICE).train()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    return model, opt, torch.amp.GradScaler("cuda")
+    return model, opt, torch.amp.GradScaler(DEVICE)
 
 
 def timm_step(torch, model, opt, scaler, x, y):
     """One fp16-autocast training step on images `x`, labels `y`; returns the loss."""
-    with torch.autocast("cuda", dtype=torch.float16):
+    with torch.autocast(DEVICE, dtype=torch.float16):
         loss = torch.nn.functional.cross_entropy(model(x), y)
     scaler.scale(loss).backward()
     scaler.step(opt)
@@ -275,8 +282,8 @@ def _train_timm(torch, rng, name, steps, lo, hi):
     losses = []
     for _ in range(steps):
         b = rng.randint(lo, hi)
-        x = torch.randn(b, 3, 224, 224, device="cuda")
-        y = torch.randint(0, 1000, (b,), device="cuda")
+        x = torch.randn(b, 3, 224, 224, device=DEVICE)
+        y = torch.randint(0, 1000, (b,), device=DEVICE)
         loss = timm_step(torch, model, opt, scaler, x, y)
         losses.append(round(loss.detach().float().item(), 4))
         del x, y, loss
@@ -350,7 +357,7 @@ def moe_model(torch, layers):
                 out.index_add_(0, rows, h * weights[rows, slot, None])
             return out
 
-    model = nn.Sequential(*[MoE() for _ in range(layers)]).cuda()
+    model = nn.Sequential(*[MoE() for _ in range(layers)]).to(DEVICE)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4), d
 
 
@@ -360,8 +367,8 @@ def w_moe(torch, rng, quick):
     for _ in range(4 if quick else 20):
         tokens = rng.randint(1024, 16384)
         # Skewed routing: a token batch whose mean drifts, so expert loads vary step to step.
-        x = torch.randn(tokens, d, device="cuda") + rng.uniform(-1, 1)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        x = torch.randn(tokens, d, device=DEVICE) + rng.uniform(-1, 1)
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
             loss = model(x).float().pow(2).mean()
         loss.backward()
         opt.step()
@@ -389,7 +396,7 @@ def _serve_loop(torch, rng, quick, model, total, max_new):
             for _ in range(2):
                 if arrived < total and len(active) < 16:
                     p, n = rng.randint(32, 1024), rng.randint(8, 24 if quick else max_new)
-                    ids = torch.randint(3, 32000, (1, p), device="cuda")
+                    ids = torch.randint(3, 32000, (1, p), device=DEVICE)
                     cache = DynamicCache()
                     out = model(input_ids=ids, past_key_values=cache, use_cache=True)
                     nxt = out.logits[:, -1:].argmax(-1)
@@ -422,7 +429,7 @@ def w_detect(torch, rng, quick):
     torch.backends.cudnn.benchmark = False
     model = torchvision.models.detection.maskrcnn_resnet50_fpn(
         weights=None, weights_backbone=None, num_classes=91, min_size=512,
-        max_size=1024).cuda().train()
+        max_size=1024).to(DEVICE).train()
     opt = torch.optim.SGD(model.parameters(), lr=0.002, momentum=0.9)
     losses = []
     for _ in range(3 if quick else 16):
@@ -430,14 +437,14 @@ def w_detect(torch, rng, quick):
         for _ in range(rng.randint(1, 4)):
             h, w = rng.randint(320, 800), rng.randint(320, 800)
             n = rng.randint(1, 24)
-            x0 = torch.rand(n, device="cuda") * (w - 80)
-            y0 = torch.rand(n, device="cuda") * (h - 80)
-            wh = 16 + torch.rand(n, 2, device="cuda") * 64
+            x0 = torch.rand(n, device=DEVICE) * (w - 80)
+            y0 = torch.rand(n, device=DEVICE) * (h - 80)
+            wh = 16 + torch.rand(n, 2, device=DEVICE) * 64
             boxes = torch.stack([x0, y0, x0 + wh[:, 0], y0 + wh[:, 1]], 1)
-            masks = (torch.rand(n, h, w, device="cuda") > 0.5).to(torch.uint8)
-            imgs.append(torch.rand(3, h, w, device="cuda"))
+            masks = (torch.rand(n, h, w, device=DEVICE) > 0.5).to(torch.uint8)
+            imgs.append(torch.rand(3, h, w, device=DEVICE))
             targets.append({"boxes": boxes, "masks": masks,
-                            "labels": torch.randint(1, 91, (n,), device="cuda")})
+                            "labels": torch.randint(1, 91, (n,), device=DEVICE)})
         loss = sum(model(imgs, targets).values())
         loss.backward()
         opt.step()
@@ -455,13 +462,13 @@ def w_t5_beam(torch, rng, quick):
     cfg = T5Config(vocab_size=32128, d_model=768, d_kv=64, d_ff=2048,
                    num_layers=2 if quick else 6, num_decoder_layers=2 if quick else 6,
                    num_heads=12, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
-    model = T5ForConditionalGeneration(cfg).to("cuda", torch.bfloat16).eval()
+    model = T5ForConditionalGeneration(cfg).to(DEVICE, torch.bfloat16).eval()
     tokens = 0
     with torch.inference_mode():
         for _ in range(3 if quick else 12):
             b, s = rng.choice([1, 2, 4, 8, 16]), rng.randint(32, 512)
             n = rng.randint(8, 24 if quick else 96)
-            ids = torch.randint(2, 32128, (b, s), device="cuda")
+            ids = torch.randint(2, 32128, (b, s), device=DEVICE)
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                                  num_beams=4, max_new_tokens=n, min_new_tokens=n,
                                  do_sample=False)
@@ -478,8 +485,8 @@ def w_convnext_res(torch, rng, quick):
     losses = []
     for _ in range(4 if quick else 16):
         r, b = rng.choice([128, 160, 192, 224, 256, 288]), rng.randint(8, 64)
-        x = torch.randn(b, 3, r, r, device="cuda").to(memory_format=torch.channels_last)
-        y = torch.randint(0, 1000, (b,), device="cuda")
+        x = torch.randn(b, 3, r, r, device=DEVICE).to(memory_format=torch.channels_last)
+        y = torch.randint(0, 1000, (b,), device=DEVICE)
         loss = timm_step(torch, model, opt, scaler, x, y)
         losses.append(round(loss.detach().float().item(), 4))
         del x, y, loss
@@ -492,14 +499,14 @@ def w_gpt2_accum(torch, rng, quick):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(n_layer=2 if quick else 12, n_embd=768, n_head=12, n_positions=1024)
-    model = GPT2LMHeadModel(cfg).cuda().train()
+    model = GPT2LMHeadModel(cfg).to(DEVICE).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     losses = []
     for _ in range(3 if quick else 12):
         for _ in range(4):
             b, s = rng.randint(1, 12), rng.randint(64, 1024)
-            ids = torch.randint(0, cfg.vocab_size, (b, s), device="cuda")
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            ids = torch.randint(0, cfg.vocab_size, (b, s), device=DEVICE)
+            with torch.autocast(DEVICE, dtype=torch.bfloat16):
                 loss = model(input_ids=ids, labels=ids).loss / 4
             loss.backward()
             del ids
@@ -583,12 +590,12 @@ def _unet(torch, ch):
 def w_unet_denoise(torch, rng, quick):
     """Diffusion sampling: a UNet (fp16) denoising latents of a resolution and batch that
     change per request, 20 steps each, classifier-free guidance (the batch doubled)."""
-    model = _unet(torch, 64 if quick else 128).cuda().half().eval()
+    model = _unet(torch, 64 if quick else 128).to(DEVICE).half().eval()
     images = 0
     with torch.inference_mode():
         for _ in range(2 if quick else 10):
             lat, b = rng.choice([32, 48, 64, 80, 96]), rng.choice([1, 2, 4, 8])
-            x = torch.randn(b, 4, lat, lat, device="cuda", dtype=torch.float16)
+            x = torch.randn(b, 4, lat, lat, device=DEVICE, dtype=torch.float16)
             for _ in range(3 if quick else 20):
                 cond, uncond = model(torch.cat([x, x])).chunk(2)
                 x = x - 0.05 * (uncond + 7.5 * (cond - uncond))
@@ -613,7 +620,7 @@ def w_side_stream(torch, rng, quick):
     width = 1024 if quick else 4096
     model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(width, 2 * width),
                                                           nn.GELU(),
-                                                          nn.Linear(2 * width, width))]).cuda()
+                                                          nn.Linear(2 * width, width))]).to(DEVICE)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     side = torch.cuda.Stream()
     main = torch.cuda.current_stream()
@@ -622,7 +629,7 @@ def w_side_stream(torch, rng, quick):
     def fetch(i):
         b = rng.randint(256, 4096)
         with torch.cuda.stream(side):
-            x = host[i % 2][:b].to("cuda", non_blocking=True)
+            x = host[i % 2][:b].to(DEVICE, non_blocking=True)
             x = x * torch.rand_like(x) + 0.1 * torch.randn_like(x)
         return x
 
@@ -633,7 +640,7 @@ def w_side_stream(torch, rng, quick):
         x = nxt
         x.record_stream(main)
         nxt = fetch(i + 1)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
             loss = (model(x).float() - x).pow(2).mean()
         loss.backward()
         opt.step()
@@ -650,17 +657,17 @@ def w_gnn(torch, rng, quick):
     nn = torch.nn
     feat, hidden = 256, 256
     layers = nn.ModuleList([nn.Linear(feat, hidden), nn.Linear(hidden, hidden),
-                            nn.Linear(hidden, 64)]).cuda()
+                            nn.Linear(hidden, 64)]).to(DEVICE)
     opt = torch.optim.Adam(layers.parameters(), lr=1e-3)
     losses = []
     for _ in range(4 if quick else 24):
         n = rng.randint(20_000, 60_000 if quick else 200_000)
         e = n * rng.randint(4, 16)
-        src = torch.randint(0, n, (e,), device="cuda")
-        dst = torch.randint(0, n, (e,), device="cuda")
-        deg = torch.zeros(n, device="cuda").index_add_(0, dst, torch.ones(e, device="cuda"))
+        src = torch.randint(0, n, (e,), device=DEVICE)
+        dst = torch.randint(0, n, (e,), device=DEVICE)
+        deg = torch.zeros(n, device=DEVICE).index_add_(0, dst, torch.ones(e, device=DEVICE))
         norm = (deg.clamp(min=1) ** -0.5)
-        h = torch.randn(n, feat, device="cuda")
+        h = torch.randn(n, feat, device=DEVICE)
         for k, lin in enumerate(layers):
             h = lin(h)
             msg = h[src] * (norm[src] * norm[dst]).unsqueeze(1)
@@ -668,7 +675,7 @@ def w_gnn(torch, rng, quick):
             if k < len(layers) - 1:
                 h = torch.relu(h)
             del msg
-        y = torch.randint(0, 64, (n,), device="cuda")
+        y = torch.randint(0, 64, (n,), device=DEVICE)
         loss = nn.functional.cross_entropy(h, y)
         loss.backward()
         opt.step()
@@ -703,15 +710,15 @@ def _train_distributed(torch, rng, wrap, steps):
         losses = []
         for _ in range(steps):
             b, s = rng.randint(1, 12), rng.randint(64, 1024)
-            ids = torch.randint(3, 32000, (b, s), device="cuda")
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            ids = torch.randint(3, 32000, (b, s), device=DEVICE)
+            with torch.autocast(DEVICE, dtype=torch.bfloat16):
                 loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses.append(round(loss.detach().float().item(), 4))
             del ids, loss
-        torch.cuda.synchronize()
+        _sync(torch)
         return {"losses": losses, "_keep": (model, opt)}
     finally:
         dist.destroy_process_group()
