@@ -30,13 +30,16 @@ policy: kinds the zoo lacks, to check that its figures carry over):
 * ``convnext-res``     timm ConvNeXt-T channels-last AMP training, resolution 128-288 per step
 * ``gpt2-accum``       GPT-2 12 x 768 training, 4 micro-batches of varying length per step
 
-and in later sets (``holdout2`` .. ``holdout5``, each written after the policy of its day was
+and in later sets (``holdout2`` .. ``holdout6``, each written after the policy of its day was
 fixed): ``unet-denoise``, ``static-generate``, ``side-stream``, ``gnn``; ``fsdp``, ``ddp``;
 ``serve-gqa`` (the serving loop on a Llama with grouped-query attention, 32 heads over 8 K/V
 heads at hidden 4096); ``spec-decode`` (speculative decoding: a draft and a target model,
 two KV caches per request cut back after each check), ``rl-rollout`` (an RL fine-tuning
 loop: rollouts by ``generate``, a frozen reference model, a policy step, in turn),
-``clip-contrastive`` (two-tower contrastive training at batches of 32-256).
+``clip-contrastive`` (two-tower contrastive training at batches of 32-256); ``whisper-asr``
+(a Whisper encoder-decoder's ``generate`` on batches of log-mel inputs), ``dpo-train``
+(preference tuning: a reference and a policy model on chosen and rejected answers),
+``recsys`` (embedding bags with sparse gradients beside a dense MLP).
 
 Output (``--out DIR``): ``zoo.json`` (every run's figures), ``zoo.md`` (the table), and,
 with ``--record``, ``DIR/snapshots/<workload>.pickle.gz`` recorded under PyTorch's default,
@@ -887,6 +890,118 @@ def w_clip_contrastive(torch, rng, quick):
     return {"losses": losses, "_keep": (model, opt)}
 
 
+
+# The sixth holdout set (thirty-fourth session, 2026-12-07, written after e403750's policy
+# was fixed, and not used to tune it): `--workloads holdout6`.
+
+def w_whisper_asr(torch, rng, quick):
+    """Speech recognition: a Whisper encoder-decoder (6 + 6 x 512, bf16) from a config
+    transcribes batches of 1-24 thirty-second log-mel inputs with ``generate`` (greedy, 16-96
+    tokens): one large encoder activation per batch beside a decoder's growing self- and
+    cross-attention caches."""
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    layers = 2 if quick else 6
+    cfg = WhisperConfig(d_model=512, encoder_layers=layers, decoder_layers=layers,
+                        encoder_attention_heads=8, decoder_attention_heads=8,
+                        encoder_ffn_dim=2048, decoder_ffn_dim=2048, num_mel_bins=80,
+                        vocab_size=51865, max_source_positions=1500, max_target_positions=448,
+                        decoder_start_token_id=50258, pad_token_id=50257, eos_token_id=None,
+                        suppress_tokens=None, begin_suppress_tokens=None)
+    model = WhisperForConditionalGeneration(cfg).to(DEVICE, torch.bfloat16).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.forced_decoder_ids = None
+    tokens = 0
+    with torch.inference_mode():
+        for _ in range(3 if quick else 16):
+            b = rng.choice([1, 2, 4, 8, 16, 24] if not quick else [1, 2])
+            n = rng.randint(16, 24 if quick else 96)
+            feats = torch.randn(b, 80, 3000, device=DEVICE, dtype=torch.bfloat16)
+            out = model.generate(input_features=feats, max_new_tokens=n, do_sample=False,
+                                 min_new_tokens=n)
+            tokens += out.numel()
+            del out, feats
+    return {"tokens": tokens, "_keep": model}
+
+
+def w_dpo_train(torch, rng, quick):
+    """Preference tuning (DPO) of a Llama 6 x 1024: each step scores a batch of 2-16 prompts
+    with a chosen and a rejected answer of different lengths (prompt 64-512, answers
+    32-384 tokens, both padded into one batch of twice the pairs) under a frozen bf16
+    reference copy (no grad) and the trained policy (bf16 autocast, AdamW), then takes the
+    DPO loss on the answers' log-probabilities."""
+    layers = 2 if quick else 6
+    policy, opt = llm_model(torch, layers, 1024)
+    ref = _llama(torch, layers, 1024, torch.bfloat16).eval()
+    losses = []
+
+    def answer_logps(model, ids, mask):
+        logits = model(input_ids=ids).logits[:, :-1].float()
+        tok = logits.log_softmax(-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+        return (tok * mask[:, 1:]).sum(-1)
+
+    for _ in range(3 if quick else 20):
+        b, p = rng.choice([2, 4, 8, 12, 16]), rng.randint(64, 128 if quick else 512)
+        lens = [rng.randint(32, 64 if quick else 384) for _ in range(2 * b)]
+        width = p + max(lens)
+        ids = torch.randint(3, 32000, (2 * b, width), device=DEVICE)
+        mask = torch.zeros(2 * b, width, device=DEVICE)
+        for i, n in enumerate(lens):
+            mask[i, p:p + n] = 1
+            ids[i, p + n:] = 0
+        with torch.no_grad(), torch.autocast(DEVICE, dtype=torch.bfloat16):
+            ref_lp = answer_logps(ref, ids, mask)
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            lp = answer_logps(policy, ids, mask)
+        margin = (lp[:b] - ref_lp[:b]) - (lp[b:] - ref_lp[b:])
+        loss = -torch.nn.functional.logsigmoid(0.1 * margin).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(round(loss.detach().item(), 4))
+        del ids, mask, ref_lp, lp, margin, loss
+    return {"losses": losses, "_keep": (policy, opt, ref)}
+
+
+def w_recsys(torch, rng, quick):
+    """A DLRM-style recommender: 8 embedding tables of 100k-800k rows x 64 read as bags
+    (``EmbeddingBag``, sparse gradients, ``SparseAdam``) beside a dense MLP (Adam), batches
+    of 512-16384 samples with 1-40 ids per bag: sparse gradients whose index and value
+    tensors change size every step, and large dense activations at large batches."""
+    nn = torch.nn
+    rows = [100_000, 200_000, 400_000, 800_000] * 2
+    if quick:
+        rows = [r // 20 for r in rows]
+    dim = 64
+    tables = nn.ModuleList([nn.EmbeddingBag(r, dim, mode="sum", sparse=True) for r in rows]).to(DEVICE)
+    mlp = nn.Sequential(nn.Linear(13, 256), nn.ReLU(), nn.Linear(256, dim)).to(DEVICE)
+    top = nn.Sequential(nn.Linear(dim * (len(rows) + 1), 1024), nn.ReLU(), nn.Linear(1024, 512),
+                        nn.ReLU(), nn.Linear(512, 1)).to(DEVICE)
+    sparse_opt = torch.optim.SparseAdam(list(tables.parameters()), lr=1e-3)
+    dense_opt = torch.optim.Adam(list(mlp.parameters()) + list(top.parameters()), lr=1e-3)
+    losses = []
+    for _ in range(4 if quick else 30):
+        b = rng.choice([512, 1024, 2048] if quick else [512, 1024, 2048, 4096, 8192, 16384])
+        dense = torch.randn(b, 13, device=DEVICE)
+        embs = []
+        for t, r in zip(tables, rows):
+            per = torch.randint(1, rng.randint(2, 40), (b,), device=DEVICE)
+            offsets = torch.cumsum(per, 0) - per
+            idx = torch.randint(0, r, (int(per.sum().item()),), device=DEVICE)
+            embs.append(t(idx, offsets))
+        x = torch.cat([mlp(dense)] + embs, dim=1)
+        y = torch.rand(b, 1, device=DEVICE)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(top(x), y)
+        loss.backward()
+        sparse_opt.step()
+        dense_opt.step()
+        sparse_opt.zero_grad(set_to_none=True)
+        dense_opt.zero_grad(set_to_none=True)
+        losses.append(round(loss.detach().item(), 4))
+        del dense, embs, x, y, loss
+    return {"losses": losses, "_keep": (tables, mlp, top, sparse_opt, dense_opt)}
+
+
 WORKLOADS = {
     "llm-train-s": (w_llm_train_s, "training"),
     "llm-train-ckpt": (w_llm_train_ckpt, "training"),
@@ -902,7 +1017,7 @@ WORKLOADS = {
 }
 # The zoo: what the policy was measured and tuned on (the default `--workloads`).
 ZOO = list(WORKLOADS)
-# Holdout workloads by set (`--workloads holdout`, `holdout2` .. `holdout5`): kinds the zoo
+# Holdout workloads by set (`--workloads holdout`, `holdout2` .. `holdout6`): kinds the zoo
 # does not have, each set written after the policy of its day was fixed.
 HOLDOUTS = {
     "holdout": {
@@ -930,6 +1045,12 @@ HOLDOUTS = {
         "spec-decode": (w_spec_decode, "inference"),
         "rl-rollout": (w_rl_rollout, "training"),
         "clip-contrastive": (w_clip_contrastive, "training"),
+    },
+    # Written in the thirty-fourth session (2026-12-07), after e403750's policy was fixed.
+    "holdout6": {
+        "whisper-asr": (w_whisper_asr, "inference"),
+        "dpo-train": (w_dpo_train, "training"),
+        "recsys": (w_recsys, "training"),
     },
 }
 for _set in HOLDOUTS.values():
@@ -1289,7 +1410,7 @@ def speed_interval(ref, runs, resamples=4000):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workloads", default=",".join(ZOO),
-                   help="comma-separated names; `zoo` (the default) and `holdout` .. `holdout5` "
+                   help="comma-separated names; `zoo` (the default) and `holdout` .. `holdout6` "
                         "name the five sets")
     p.add_argument("--configs", default="default,expandable,stitch")
     p.add_argument("--out", default="zoo")
