@@ -21,7 +21,6 @@ import argparse
 import gzip
 import importlib.util
 import os
-import random
 import sys
 import time
 
@@ -83,7 +82,8 @@ def main(argv=None):
     p.add_argument("workload")
     p.add_argument("--out", required=True, help="the trace to write (gzipped when it ends in .gz)")
     p.add_argument("--quick", action="store_true", help="the workload's quick variant")
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--seed", type=int, default=None,
+                   help="the workload's seed (default: torch-zoo.py's, so the shapes are its runs')")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's own)")
     a = p.parse_args(argv)
 
@@ -95,9 +95,9 @@ def main(argv=None):
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    torch.manual_seed(a.seed)
-    # The seed string torch-zoo.py gives each workload, so shapes match its GPU runs.
-    rng = random.Random(f"{a.seed}:{a.workload}")
+    if a.seed is None:
+        a.seed = zoo.SEED
+    rng = zoo.seed_workload(torch, a.seed, a.workload)
     fn, _ = zoo.WORKLOADS[a.workload]
     t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
