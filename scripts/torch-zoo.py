@@ -30,7 +30,7 @@ policy: kinds the zoo lacks, to check that its figures carry over):
 * ``convnext-res``     timm ConvNeXt-T channels-last AMP training, resolution 128-288 per step
 * ``gpt2-accum``       GPT-2 12 x 768 training, 4 micro-batches of varying length per step
 
-and in later sets (``holdout2`` .. ``holdout6``, each written after the policy of its day was
+and in later sets (``holdout2`` .. ``holdout7``, each written after the policy of its day was
 fixed): ``unet-denoise``, ``static-generate``, ``side-stream``, ``gnn``; ``fsdp``, ``ddp``;
 ``serve-gqa`` (the serving loop on a Llama with grouped-query attention, 32 heads over 8 K/V
 heads at hidden 4096); ``spec-decode`` (speculative decoding: a draft and a target model,
@@ -39,7 +39,11 @@ loop: rollouts by ``generate``, a frozen reference model, a policy step, in turn
 ``clip-contrastive`` (two-tower contrastive training at batches of 32-256); ``whisper-asr``
 (a Whisper encoder-decoder's ``generate`` on batches of log-mel inputs), ``dpo-train``
 (preference tuning: a reference and a policy model on chosen and rejected answers),
-``recsys`` (embedding bags with sparse gradients beside a dense MLP).
+``recsys`` (embedding bags with sparse gradients beside a dense MLP); ``ssm-generate``
+(a Mamba state-space model's ``generate``: a fixed-size recurrent state, no KV cache),
+``ctc-train`` (wav2vec 2.0 CTC training on raw audio of changing length), ``offload-infer``
+(a Llama whose layers' weights are copied to the device before each layer runs and dropped
+after, as CPU offload does).
 
 Output (``--out DIR``): ``zoo.json`` (every run's figures), ``zoo.md`` (the table), and,
 with ``--record``, ``DIR/snapshots/<workload>.pickle.gz`` recorded under PyTorch's default,
@@ -1013,6 +1017,115 @@ def w_recsys(torch, rng, quick):
     return {"losses": losses, "_keep": (tables, mlp, top, sparse_opt, dense_opt)}
 
 
+# The seventh holdout set (thirty-fifth session, 2026-12-08, written after e403750's policy
+# was fixed, and not used to tune it): `--workloads holdout7`.
+
+def w_ssm_generate(torch, rng, quick):
+    """Generation with a state-space model: a Mamba 8 x 768 (bf16) from a config generates
+    16-128 tokens for batches of 1-16 prompts of 64-1,024 tokens. Its cache is a fixed-size
+    convolution and SSM state per layer rather than a growing KV cache, and without the
+    fused kernels the selective scan runs step by step in torch: many small transients
+    beside prompt-sized activations."""
+    import transformers.models.mamba.modeling_mamba as mamba
+    from transformers import MambaConfig, MambaForCausalLM
+
+    # The scan in torch on every transformers version: 4.x fetches the fused convolution
+    # from the hub when the `kernels` package is installed, which fails offline.
+    if getattr(mamba, "_causal_conv1d_cache", ()) is None:
+        mamba._causal_conv1d_cache = (None, None)
+    layers = 2 if quick else 8
+    cfg = MambaConfig(vocab_size=32000, hidden_size=768, state_size=16,
+                      num_hidden_layers=layers, expand=2, conv_kernel=4,
+                      bos_token_id=1, eos_token_id=None, pad_token_id=0)
+    model = MambaForCausalLM(cfg).to(DEVICE, torch.bfloat16).eval()
+    tokens = 0
+    with torch.inference_mode():
+        for _ in range(3 if quick else 14):
+            b = rng.choice([1, 2] if quick else [1, 2, 4, 8, 16])
+            p = rng.randint(64, 128 if quick else 1024)
+            n = rng.randint(8, 16 if quick else 128)
+            ids = torch.randint(3, 32000, (b, p), device=DEVICE)
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                 max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            tokens += out.numel()
+            del ids, out
+    return {"tokens": tokens, "_keep": model}
+
+
+def w_ctc_train(torch, rng, quick):
+    """Speech-recognition fine-tuning: a wav2vec 2.0 (12 x 768) from a config trained with
+    CTC on batches of 2-16 raw waveforms of 1-16 s at 16 kHz (bf16 autocast, AdamW): a
+    convolutional feature encoder over long 1-D signals whose activations scale with the
+    audio's length, then a transformer over the frames, with lengths that change every
+    step."""
+    from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
+
+    cfg = Wav2Vec2Config(num_hidden_layers=2 if quick else 12, vocab_size=32,
+                         mask_time_prob=0.0, layerdrop=0.0, pad_token_id=0,
+                         ctc_loss_reduction="mean")
+    model = Wav2Vec2ForCTC(cfg).to(DEVICE).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    losses = []
+    for _ in range(3 if quick else 24):
+        b = rng.choice([2, 4] if quick else [2, 4, 8, 12, 16])
+        secs = rng.uniform(1.0, 3.0 if quick else 16.0)
+        audio = torch.randn(b, int(secs * 16000), device=DEVICE)
+        labels = torch.randint(1, 32, (b, rng.randint(8, 20 if quick else 120)), device=DEVICE)
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            loss = model(input_values=audio, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(round(loss.detach().item(), 4))
+        del audio, labels, loss
+    return {"losses": losses, "_keep": (model, opt)}
+
+
+def w_offload_infer(torch, rng, quick):
+    """Inference with the weights kept off the device, as accelerate's CPU offload and
+    ZeRO-Inference run models larger than the card: a Llama 12 x 2048 (bf16) whose
+    decoder layers' weights are copied to the device just before each layer runs and
+    dropped right after, over prompts of batch 1-8 x 128-1,024 tokens. The same large weight
+    buffers come and go 12 times a forward, beside the activations and the KV cache. (On the
+    CPU the copy is a clone, so that the trace holds the same allocations.)"""
+    layers = 3 if quick else 12
+    model = _llama(torch, layers, 2048, torch.bfloat16).eval()
+    model.model.embed_tokens.to(DEVICE)
+    model.model.norm.to(DEVICE)
+    model.model.rotary_emb.to(DEVICE)
+    model.lm_head.to(DEVICE)
+    held = {}
+    for li, layer in enumerate(model.model.layers):
+        layer.to("cpu")
+        held[li] = {n: p.data for n, p in layer.named_parameters()}
+
+        def fetch(mod, args, kwargs, li=li):
+            for n, p in mod.named_parameters():
+                src = held[li][n]
+                p.data = src.to(DEVICE, non_blocking=True) if DEVICE != "cpu" else src.clone()
+
+        def drop(mod, args, kwargs, out, li=li):
+            for n, p in mod.named_parameters():
+                p.data = held[li][n]
+            return out
+
+        layer.register_forward_pre_hook(fetch, with_kwargs=True)
+        layer.register_forward_hook(drop, with_kwargs=True)
+    tokens = 0
+    with torch.inference_mode():
+        for _ in range(3 if quick else 12):
+            b = rng.choice([1, 2] if quick else [1, 2, 4, 8])
+            p = rng.randint(64, 128 if quick else 1024)
+            ids = torch.randint(3, 32000, (b, p), device=DEVICE)
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                 max_new_tokens=4 if quick else 8, min_new_tokens=4 if quick else 8,
+                                 do_sample=False)
+            tokens += out.numel()
+            del ids, out
+            _sync(torch)
+    return {"tokens": tokens, "_keep": model}
+
+
 WORKLOADS = {
     "llm-train-s": (w_llm_train_s, "training"),
     "llm-train-ckpt": (w_llm_train_ckpt, "training"),
@@ -1028,7 +1141,7 @@ WORKLOADS = {
 }
 # The zoo: what the policy was measured and tuned on (the default `--workloads`).
 ZOO = list(WORKLOADS)
-# Holdout workloads by set (`--workloads holdout`, `holdout2` .. `holdout6`): kinds the zoo
+# Holdout workloads by set (`--workloads holdout`, `holdout2` .. `holdout7`): kinds the zoo
 # does not have, each set written after the policy of its day was fixed.
 HOLDOUTS = {
     "holdout": {
@@ -1062,6 +1175,12 @@ HOLDOUTS = {
         "whisper-asr": (w_whisper_asr, "inference"),
         "dpo-train": (w_dpo_train, "training"),
         "recsys": (w_recsys, "training"),
+    },
+    # Written in the thirty-fifth session (2026-12-08), after e403750's policy was fixed.
+    "holdout7": {
+        "ssm-generate": (w_ssm_generate, "inference"),
+        "ctc-train": (w_ctc_train, "training"),
+        "offload-infer": (w_offload_infer, "inference"),
     },
 }
 for _set in HOLDOUTS.values():
@@ -1422,8 +1541,8 @@ def speed_interval(ref, runs, resamples=4000):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workloads", default=",".join(ZOO),
-                   help="comma-separated names; `zoo` (the default) and `holdout` .. `holdout6` "
-                        "name the five sets")
+                   help="comma-separated names; `zoo` (the default) and `holdout` .. `holdout7` "
+                        "name the other sets")
     p.add_argument("--configs", default="default,expandable,stitch")
     p.add_argument("--out", default="zoo")
     p.add_argument("--record", action="store_true",
