@@ -210,7 +210,8 @@ verify)
         >"$out/verify-speed.txt" 2>&1
     echo "speed exit $?"
     tail -30 "$out/verify-speed.txt"
-    for pass in all repeat; do
+    # VERIFY_PASSES: which zoo passes follow the speed run ("" for the speed run alone).
+    for pass in ${VERIFY_PASSES-all repeat}; do
         if [ "$pass" = all ]; then
             w=zoo,holdout,holdout2,holdout3,holdout4 r=1 t=${VERIFY_ZOO_TIMEOUT:-210}
         else
