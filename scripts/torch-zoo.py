@@ -1087,7 +1087,7 @@ def w_offload_infer(torch, rng, quick):
     """Inference with the weights kept off the device, as accelerate's CPU offload and
     ZeRO-Inference run models larger than the card: a Llama 12 x 2048 (bf16) whose
     decoder layers' weights are copied to the device just before each layer runs and
-    dropped right after, over prompts of batch 1-8 x 128-1,024 tokens. The same large weight
+    dropped right after, over prompts of batch 1-8 x 64-1,024 tokens. The same large weight
     buffers come and go 12 times a forward, beside the activations and the KV cache. (On the
     CPU the copy is a clone, so that the trace holds the same allocations.)"""
     layers = 3 if quick else 12
