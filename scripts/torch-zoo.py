@@ -1022,7 +1022,7 @@ def w_recsys(torch, rng, quick):
 
 def w_ssm_generate(torch, rng, quick):
     """Generation with a state-space model: a Mamba 8 x 768 (bf16) from a config generates
-    16-128 tokens for batches of 1-16 prompts of 64-1,024 tokens. Its cache is a fixed-size
+    8-128 tokens for batches of 1-16 prompts of 64-1,024 tokens. Its cache is a fixed-size
     convolution and SSM state per layer rather than a growing KV cache, and without the
     fused kernels the selective scan runs step by step in torch: many small transients
     beside prompt-sized activations."""
