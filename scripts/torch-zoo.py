@@ -1124,7 +1124,6 @@ def w_offload_infer(torch, rng, quick):
                                  do_sample=False)
             tokens += out.numel()
             del ids, out
-            _sync(torch)
     return {"tokens": tokens, "_keep": model}
 
 
